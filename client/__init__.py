@@ -1,0 +1,1 @@
+"""The client SDK: discovery, routing, fan-out, the sum."""

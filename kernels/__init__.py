@@ -1,0 +1,19 @@
+"""The math of expertd: NVFP4 codec, plain-torch reference, backends."""
+
+from expertd.kernels.backend import Backend, ReferenceBackend, backend_names, create_backend
+from expertd.kernels.layer import ShardLayer
+from expertd.kernels.nvfp4 import Nvfp4Weight, dequantize, quantize
+from expertd.kernels.reference import reference_forward, relative_error
+
+__all__ = [
+    "Backend",
+    "Nvfp4Weight",
+    "ReferenceBackend",
+    "ShardLayer",
+    "backend_names",
+    "create_backend",
+    "dequantize",
+    "quantize",
+    "reference_forward",
+    "relative_error",
+]

@@ -1,0 +1,102 @@
+"""The interface between the server and the math: a Backend prepares a shard layer
+once (repack, make resident) and runs the forward on it.
+
+The server picks a backend by name and never branches on which one it got.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from expertd.kernels.layer import ShardLayer
+from expertd.kernels.reference import dense_weights, moe_forward_dense
+
+
+class Backend(Protocol):
+    name: str
+    device: torch.device
+
+    def prepare(self, layer: ShardLayer) -> Any:
+        """Checkpoint-form weights -> resident state on `device` (done once, at load)."""
+
+    def forward(
+        self,
+        state: Any,
+        x: torch.Tensor,  # bf16 [M, H] on device
+        topk_ids: torch.Tensor,  # int32 [M, K] on device, global ids or -1
+        topk_weights: torch.Tensor,  # float32 [M, K] on device
+    ) -> torch.Tensor:
+        """-> bf16 [M, H] on device: this shard's contribution."""
+
+    def resident_bytes(self, state: Any) -> int:
+        """Device memory the state holds."""
+
+
+@dataclass(slots=True)
+class _DenseState:
+    w13: torch.Tensor  # float32 [El, 2I, H]
+    w2: torch.Tensor  # float32 [El, H, I]
+    norm_weight: torch.Tensor  # float32 [H]
+    local_of: torch.Tensor  # int32 [E + 1]
+
+
+class ReferenceBackend:
+    """Plain torch on any device: weights dequantized once to float32, fp32 math."""
+
+    name = "reference"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, layer: ShardLayer) -> _DenseState:
+        w13, w2, norm = dense_weights(layer.to(self.device), torch.float32)
+        return _DenseState(w13, w2, norm, layer.global_to_local(self.device))
+
+    def forward(self, state: _DenseState, x, topk_ids, topk_weights) -> torch.Tensor:
+        out = moe_forward_dense(
+            state.w13, state.w2, state.norm_weight, state.local_of, x, topk_ids, topk_weights
+        )
+        return out.to(torch.bfloat16)
+
+    def resident_bytes(self, state: _DenseState) -> int:
+        return sum(t.numel() * t.element_size() for t in (state.w13, state.w2, state.norm_weight))
+
+
+_FACTORIES: dict[str, Callable[[torch.device], Backend]] = {"reference": ReferenceBackend}
+
+
+def register_backend(name: str, factory: Callable[[torch.device], Backend]) -> None:
+    _FACTORIES[name] = factory
+
+
+def backend_names() -> list[str]:
+    _load_optional()
+    return sorted(_FACTORIES)
+
+
+def default_backend_name(device: torch.device) -> str:
+    _load_optional()
+    return "cuda" if device.type == "cuda" and "cuda" in _FACTORIES else "reference"
+
+
+def create_backend(name: str, device: torch.device | str) -> Backend:
+    """Build backend `name` on `device`; a clear error for an unknown or unusable pair."""
+    device = torch.device(device)
+    _load_optional()
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(_FACTORIES))}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda requested but torch sees no CUDA device")
+    return _FACTORIES[name](device)
+
+
+def _load_optional() -> None:
+    """Register the compiled backend when its module is present (it registers itself)."""
+    if "cuda" not in _FACTORIES and importlib.util.find_spec("expertd.kernels.cuda") is not None:
+        importlib.import_module("expertd.kernels.cuda")

@@ -1,0 +1,1 @@
+"""The shard server: checkpoints, the expert bank, the gRPC services, the CLI."""
