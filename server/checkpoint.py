@@ -1,0 +1,408 @@
+"""NVFP4 checkpoints on disk (SPEC section 2): the synthetic writer and the lazy reader.
+
+Layout, one safetensors file per layer plus an index (Hugging Face convention):
+
+    DIR/model-00001-of-0000N.safetensors   layer 0: every expert's 9 tensors + the norm
+    DIR/model.safetensors.index.json       {"metadata": {...}, "weight_map": {name: file}}
+    DIR/config.json                        hidden_size, moe_intermediate_size, num_experts, ...
+
+    {prefix}layers.{L}.mlp.experts.{e}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|weight_scale_2}
+    {prefix}layers.{L}.mlp.post_expert_norm.weight
+
+The reader also takes one file, or several without an index. It reads headers
+only when opened; `load_layer` then reads just the experts a shard owns, each
+tensor checked (presence, dtype, shape) against its header before its bytes are
+touched, so a bad checkpoint fails with a message naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from expertd.kernels.layer import ShardLayer
+from expertd.kernels.nvfp4 import BLOCK, Nvfp4Weight
+from expertd.server.synthetic import PROJECTIONS, Preset, expert_projection, norm_weight
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+PARTS = ("weight", "weight_scale", "weight_scale_2")
+
+# safetensors header dtype -> torch dtype (for checks and messages).
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+# config.json field -> the names models use for it (the first is ours).
+_CONFIG_KEYS = {
+    "hidden_size": ("hidden_size",),
+    "moe_intermediate_size": ("moe_intermediate_size",),
+    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing something, or holds a tensor of the wrong dtype or shape."""
+
+
+def expert_name(prefix: str, layer: int, expert: int, proj: str, part: str) -> str:
+    return f"{prefix}layers.{layer}.mlp.experts.{expert}.{proj}.{part}"
+
+
+def norm_name(prefix: str, layer: int) -> str:
+    return f"{prefix}layers.{layer}.mlp.post_expert_norm.weight"
+
+
+def shard_file_name(index: int, total: int) -> str:
+    """Hugging Face shard naming, 1-based: model-00001-of-00004.safetensors."""
+    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    preset: Preset,
+    layers: int,
+    seed: int,
+    *,
+    prefix: str = "model.",
+    progress: Callable[[int, int, int], None] | None = None,
+    device: torch.device | str = "cpu",
+    overwrite: bool = False,
+) -> None:
+    """Write `layers` synthetic layers of `preset` to directory `path`.
+
+    The tensors are exactly those of `synthetic.expert_projection` / `norm_weight`,
+    so a server using `synthetic_layer(preset, seed, ...)` holds bit-identical
+    weights. One layer is in memory at a time (a muse-spark layer is ~6.9 GB).
+    Everything is written into a hidden sibling directory, the index last, which is
+    then renamed onto `path`: an interrupted run never leaves a checkpoint that
+    looks complete. `path` must not exist or be an empty directory, unless
+    `overwrite`. `progress(layer_index, layers, bytes_written)` is called after
+    each layer reaches disk (`bytes_written` counts all layers so far). `device`
+    is where the quantization runs (the result is identical on any device).
+    """
+    path = Path(path)
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not an empty directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a server may run as another user
+        weight_map: dict[str, str] = {}
+        total = 0
+        for layer in range(layers):
+            file = shard_file_name(layer, layers)
+            tensors = _layer_tensors(preset, seed, layer, prefix, device)
+            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            (tmp / file).chmod(0o644)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, file))
+            del tensors
+            if progress is not None:
+                progress(layer, layers, total)
+        config = {
+            "hidden_size": preset.hidden_size,
+            "moe_intermediate_size": preset.intermediate_size,
+            "num_experts": preset.num_experts,
+            "num_experts_per_tok": preset.top_k,
+            "num_hidden_layers": layers,
+            "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+            "expertd": {"preset": preset.name, "seed": seed, "prefix": prefix},
+        }
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _layer_tensors(
+    preset: Preset, seed: int, layer: int, prefix: str, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for e in range(preset.num_experts):
+        for proj in PROJECTIONS:
+            w = expert_projection(preset, seed, layer, e, proj, device)
+            for part, t in zip(PARTS, (w.weight, w.weight_scale, w.weight_scale_2), strict=True):
+                tensors[expert_name(prefix, layer, e, proj, part)] = t.cpu().contiguous()
+    tensors[norm_name(prefix, layer)] = norm_weight(preset, seed, layer).contiguous()
+    return tensors
+
+
+# --------------------------------------------------------------------------- reader
+
+
+class CheckpointReader:
+    """Headers of an NVFP4 checkpoint at open; owned experts' tensors on demand.
+
+    `path`: a directory with `model.safetensors.index.json`, a directory of
+    `*.safetensors` files, or one `.safetensors` file. H, I and E come from the
+    tensor shapes and names; `config.json` beside the weights, when present, is
+    cross-checked and supplies `top_k` (`num_experts_per_tok`).
+    """
+
+    def __init__(self, path: str | os.PathLike, prefix: str = "model.") -> None:
+        self.path = Path(path)
+        self.prefix = prefix
+        self._files, self._index = self._find_files()
+        # name -> (file, safetensors dtype, shape), for our tensors only.
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        for file in self._files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if name.startswith(prefix):
+                        sl = f.get_slice(name)
+                        self._entries[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
+        self._discover()
+        self.config = self._read_config()
+        self._check_config()
+        top_k = self._config_value(("num_experts_per_tok",))
+        self.top_k: int | None = int(top_k) if top_k is not None else None
+
+    # -- opening
+
+    def _find_files(self) -> tuple[list[Path], dict[str, str]]:
+        p = self.path
+        if p.is_file():
+            if p.suffix != ".safetensors":
+                raise CheckpointError(f"{p} is not a .safetensors file")
+            return [p], {}
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint {p} does not exist")
+        index_path = p / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+            files = sorted({p / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{index_path} names files that are absent: {missing}")
+            return files, weight_map
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{p} holds no *.safetensors file and no {INDEX_FILE}")
+        return files, {}
+
+    def _discover(self) -> None:
+        """Find layers and expert ids from names; H, I, E from shapes; all layers must agree."""
+        pattern = re.compile(
+            re.escape(self.prefix) + r"layers\.(\d+)\.mlp\.(?:experts\.(\d+)\.|post_expert_norm\.)"
+        )
+        max_expert: dict[int, int] = {}
+        for name in self._entries:
+            m = pattern.match(name)
+            if m:
+                layer = int(m.group(1))
+                e = int(m.group(2)) if m.group(2) is not None else -1
+                max_expert[layer] = max(max_expert.get(layer, -1), e)
+        if not max_expert:
+            raise CheckpointError(
+                f"{self.path}: no tensor named {self.prefix}layers.<L>.mlp.experts.<e>.* "
+                f"(is the prefix {self.prefix!r} right?)"
+            )
+        self.layers = sorted(max_expert)
+        shapes = {}
+        for layer in self.layers:
+            # The shape most experts agree on, so one bad expert is reported by name
+            # when it is loaded rather than skewing H and I for everyone.
+            found = Counter(
+                self._entries[n][2]
+                for e in range(max_expert[layer] + 1)
+                if (n := expert_name(self.prefix, layer, e, "gate_proj", "weight")) in self._entries
+            )
+            if not found or len(found.most_common(1)[0][0]) != 2:
+                raise CheckpointError(f"layer {layer}: no gate_proj.weight of shape [I, H/2]")
+            (i, half_h), _ = found.most_common(1)[0]
+            shapes[layer] = (2 * half_h, i, max_expert[layer] + 1)
+        distinct = set(shapes.values())
+        if len(distinct) > 1:
+            detail = ", ".join(f"layer {L}: H={h} I={i} E={e}" for L, (h, i, e) in shapes.items())
+            raise CheckpointError(f"{self.path}: layers disagree on their shapes ({detail})")
+        self.hidden_size, self.intermediate_size, self.num_experts = distinct.pop()
+
+    def _read_config(self) -> dict:
+        config_path = (self.path if self.path.is_dir() else self.path.parent) / CONFIG_FILE
+        if not config_path.is_file():
+            return {}
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object")
+        return config
+
+    def _config_value(self, keys: tuple[str, ...]) -> object:
+        # Multimodal configs nest the language model's fields under text_config.
+        for scope in (self.config, self.config.get("text_config") or {}):
+            for key in keys:
+                if key in scope:
+                    return scope[key]
+        return None
+
+    def _check_config(self) -> None:
+        ours = {
+            "hidden_size": self.hidden_size,
+            "moe_intermediate_size": self.intermediate_size,
+            "num_experts": self.num_experts,
+        }
+        for field, keys in _CONFIG_KEYS.items():
+            value = self._config_value(keys)
+            if value is not None and value != ours[field]:
+                raise CheckpointError(
+                    f"config.json {field} = {value}, but the tensors in {self.path} "
+                    f"give {ours[field]}"
+                )
+
+    # -- properties
+
+    @property
+    def description(self) -> str:
+        layers = self.layers
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
+        return (
+            f"{self.path} ({len(self._files)} file{'s' * (len(self._files) != 1)}, "
+            f"{len(layers)} layer{'s' * (len(layers) != 1)} [{span}], E={self.num_experts}, "
+            f"H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k})"
+        )
+
+    def expected(self, name: str) -> tuple[torch.dtype, tuple[tuple[int, ...], ...]]:
+        """The dtype and the accepted shapes of one of our tensors, by its name's ending."""
+        h, i = self.hidden_size, self.intermediate_size
+        if name.endswith(".post_expert_norm.weight"):
+            return torch.bfloat16, ((h,),)
+        n, k = (h, i) if ".down_proj." in name else (i, h)
+        if name.endswith(".weight_scale_2"):
+            return torch.float32, ((), (1,))
+        if name.endswith(".weight_scale"):
+            return torch.float8_e4m3fn, ((n, k // BLOCK),)
+        return torch.uint8, ((n, k // 2),)
+
+    # -- loading
+
+    def _check_layer(self, layer: int, experts: list[int]) -> None:
+        if layer not in self.layers:
+            raise CheckpointError(
+                f"layer {layer} is not in checkpoint {self.path} "
+                f"(it holds layers {', '.join(map(str, self.layers))})"
+            )
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad or len(set(experts)) != len(experts):
+            raise CheckpointError(
+                f"experts {experts} must be distinct ids in [0, {self.num_experts})"
+            )
+
+    def _layer_names(self, layer: int, experts: list[int]) -> list[str]:
+        names = [
+            expert_name(self.prefix, layer, e, proj, part)
+            for e in experts
+            for proj in PROJECTIONS
+            for part in PARTS
+        ]
+        return [*names, norm_name(self.prefix, layer)]
+
+    def _validate(self, name: str, layer: int) -> tuple[Path, tuple[int, ...]]:
+        """Header of one tensor, checked: present, expected dtype and shape."""
+        if name not in self._entries:
+            where = self._index.get(name)
+            if where is None:
+                head = f"{self.prefix}layers.{layer}."
+                files = {f.name for n, (f, _, _) in self._entries.items() if n.startswith(head)}
+                where = ", ".join(sorted(files)) or ", ".join(f.name for f in self._files)
+            raise CheckpointError(f"missing tensor {name} (looked in {where} under {self.path})")
+        file, st_dtype, shape = self._entries[name]
+        dtype, shapes = self.expected(name)
+        if _DTYPES.get(st_dtype) != dtype:
+            found = (
+                str(_DTYPES[st_dtype]).removeprefix("torch.") if st_dtype in _DTYPES else st_dtype
+            )
+            raise CheckpointError(
+                f"tensor {name} in {file.name}: dtype {found}, expected "
+                f"{str(dtype).removeprefix('torch.')}"
+            )
+        if shape not in shapes:
+            raise CheckpointError(
+                f"tensor {name} in {file.name}: shape {list(shape)}, expected "
+                f"{' or '.join(str(list(s)) for s in shapes)}"
+            )
+        return file, shape
+
+    def nbytes_for(self, layer: int, experts: list[int]) -> int:
+        """Bytes `load_layer(layer, experts)` reads (from the headers; validates them too)."""
+        self._check_layer(layer, experts)
+        total = 0
+        for name in self._layer_names(layer, experts):
+            _, shape = self._validate(name, layer)
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * self.expected(name)[0].itemsize
+        return total
+
+    def load_layer(
+        self, layer: int, experts: list[int], device: torch.device | str = "cpu"
+    ) -> ShardLayer:
+        """Read only `experts`' tensors of `layer` and stack them, in that order, on `device`."""
+        experts = list(experts)
+        self._check_layer(layer, experts)
+        names = self._layer_names(layer, experts)
+        files = {name: self._validate(name, layer)[0] for name in names}  # check all, then read
+        h, i, el = self.hidden_size, self.intermediate_size, len(experts)
+        stacks = {}
+        with ExitStack() as opened:
+            handles: dict[Path, object] = {}
+
+            def read(name: str) -> torch.Tensor:  # each file memory-mapped once per load
+                file = files[name]
+                if file not in handles:
+                    handles[file] = opened.enter_context(safe_open(file, framework="pt"))
+                return handles[file].get_tensor(name)
+
+            for proj in PROJECTIONS:
+                n, k = (h, i) if proj == "down_proj" else (i, h)
+                out = (
+                    torch.empty((el, n, k // 2), dtype=torch.uint8, device=device),
+                    torch.empty((el, n, k // BLOCK), dtype=torch.float8_e4m3fn, device=device),
+                    torch.empty((el,), dtype=torch.float32, device=device),
+                )
+                for slot, e in enumerate(experts):
+                    for part, dst in zip(PARTS, out, strict=True):
+                        name = expert_name(self.prefix, layer, e, proj, part)
+                        dst[slot].copy_(read(name).reshape(dst[slot].shape))
+                stacks[proj] = Nvfp4Weight(*out)
+            name = norm_name(self.prefix, layer)
+            norm = read(name).to(device)
+        return ShardLayer(
+            experts=tuple(experts),
+            num_experts=self.num_experts,
+            gate=stacks["gate_proj"],
+            up=stacks["up_proj"],
+            down=stacks["down_proj"],
+            norm_weight=norm,
+        )
