@@ -1,0 +1,5 @@
+import sys
+
+from expertd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,202 @@
+"""Assembling and running a shard server: our service, grpc.health.v1, reflection.
+
+The server binds first (port 0 allowed) and answers health NOT_SERVING while it
+loads; it reports SERVING once every layer is resident, and NOT_SERVING again
+while it drains on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from expertd.server.bank import ExpertBank, WeightSource
+from expertd.server.config import ServerConfig
+from expertd.server.service import ExpertServicer
+from expertd.server.validate import Limits
+from expertd.v1 import expertd_pb2 as pb
+from expertd.v1 import expertd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("expertd.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(slots=True)
+class RunningServer:
+    server: grpc.aio.Server
+    servicer: ExpertServicer
+    health: health.aio.HealthServicer
+    address: str  # host:port actually bound (or the unix: address)
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def attach(self, bank: ExpertBank) -> None:
+        self.servicer.attach(bank)
+        await self.set_serving(True)
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Stop taking calls, let in-flight ones finish (up to grace_s), stop."""
+        self.servicer.draining = True
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+        self.servicer.close()
+
+
+def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list[tuple[str, int]]]:
+    limits = Limits(config.max_tokens, config.max_top_k)
+    receive = limits.max_message_bytes(hidden_size)
+    send = config.max_tokens * hidden_size * 2 + (1 << 20)
+    options = [
+        ("grpc.max_receive_message_length", receive),
+        ("grpc.max_send_message_length", send),
+        ("grpc.so_reuseport", 0),
+    ]
+    return limits, options
+
+
+async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
+    """Bind and start answering (health NOT_SERVING until a bank is attached)."""
+    limits, options = message_limits(config, hidden_size)
+    server = grpc.aio.server(options=options)
+    servicer = ExpertServicer(limits, config.shard, config.num_shards)
+    pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0 and not config.listen.startswith("unix:"):
+        raise OSError(f"could not bind {config.listen}")
+    await server.start()
+    running = RunningServer(server, servicer, health_servicer, _bound(config.listen, port), port)
+    await running.set_serving(False)
+    return running
+
+
+def _bound(listen: str, port: int) -> str:
+    if listen.startswith("unix:"):
+        return listen
+    host = listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+async def _load_in_thread(config: ServerConfig, source: WeightSource) -> ExpertBank:
+    """Load on a daemon thread, so a SIGTERM during loading can still exit promptly."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def work() -> None:
+        try:
+            bank = ExpertBank.load(config, source=source)
+        except BaseException as e:
+            loop.call_soon_threadsafe(_settle, done, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, done, bank, None)
+
+    threading.Thread(target=work, name="expertd-load", daemon=True).start()
+    return await done
+
+
+def _settle(fut: asyncio.Future, value, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+async def serve(config: ServerConfig, on_listening=None) -> int:
+    """The `expertd serve` main loop; returns the process exit code."""
+    source = WeightSource(config)
+    running = await start(config, source.shape[0])
+    log.info("listening on %s (loading %s)", running.address, config.source())
+    if on_listening is not None:
+        on_listening(running.address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.ensure_future(_load_in_thread(config, source))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and loader.exception() is not None:
+        log.error("loading failed: %s", loader.exception())
+        await running.server.stop(0)
+        return 1
+    if loader.done():
+        bank = loader.result()
+        await running.attach(bank)
+        log.info(
+            "serving %d layers x %d experts on %s (backend %s, %.1f MiB resident)",
+            len(bank.info.layers),
+            len(bank.info.experts),
+            bank.backend.device,
+            bank.backend.name,
+            bank.resident_bytes / 2**20,
+        )
+        await stopper
+    log.info("draining (grace %.0f s)", config.grace_s)
+    await running.drain_and_stop(config.grace_s)
+    log.info("stopped")
+    return 0
+
+
+class BackgroundServer:
+    """A shard server on its own thread and event loop: for tests and embedding.
+
+    `BackgroundServer(config)` loads from the config; `bank=` reuses a loaded bank.
+    """
+
+    def __init__(self, config: ServerConfig, bank: ExpertBank | None = None) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        if bank is None:
+            bank = ExpertBank.load(config, progress=lambda _msg: None)
+        self.bank = bank
+        self._running: RunningServer = self._call(self._start(bank))
+        self.address = self._running.address
+        self.port = self._running.port
+
+    async def _start(self, bank: ExpertBank) -> RunningServer:
+        running = await start(self.config, bank.info.hidden_size)
+        await running.attach(bank)
+        return running
+
+    def _call(self, coro, timeout: float | None = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def servicer(self) -> ExpertServicer:
+        return self._running.servicer
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._running.drain_and_stop(grace_s), timeout=grace_s + 30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,144 @@
+"""The expert bank: every served layer's owned experts, prepared once by the
+backend and kept resident, plus the shapes the service describes."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from expertd.kernels.backend import Backend, create_backend, default_backend_name
+from expertd.kernels.layer import ShardLayer
+from expertd.server.config import ServerConfig, parse_expert_list, shard_experts
+
+log = logging.getLogger("expertd.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    num_experts: int  # E
+    top_k: int  # 0 when the source does not say
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]  # owned global ids, ascending
+    source: str
+
+
+class WeightSource:
+    """Uniform view over a checkpoint directory or a synthetic preset; opening it
+    reads only headers, so the server knows its shapes before loading."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.device = torch.device(config.device)
+        if config.synthetic:
+            from expertd.server.synthetic import get_preset
+
+            self.preset = get_preset(config.synthetic)
+            self.seed = config.seed
+            self.reader = None
+            p = self.preset
+            self.shape = (p.hidden_size, p.intermediate_size, p.num_experts, p.top_k)
+            self.layers = list(range(config.layers if config.layers is not None else 1))
+        elif config.checkpoint:
+            from expertd.server.checkpoint import CheckpointReader
+
+            self.reader = CheckpointReader(config.checkpoint, prefix=config.prefix)
+            r = self.reader
+            self.shape = (r.hidden_size, r.intermediate_size, r.num_experts, r.top_k or 0)
+            self.layers = list(r.layers)
+            if config.layers is not None:
+                self.layers = self.layers[: config.layers]
+        else:
+            raise ValueError("give a checkpoint directory or a synthetic preset")
+
+    def load(self, layer: int, experts: list[int]) -> ShardLayer:
+        if self.reader is not None:
+            return self.reader.load_layer(layer, experts)
+        from expertd.server.synthetic import synthetic_layer
+
+        # Quantizing on the GPU is much faster; the result is the same tensors.
+        return synthetic_layer(self.preset, self.seed, layer, experts, device=self.device)
+
+
+class ExpertBank:
+    """Owned experts of every served layer, resident on the backend's device."""
+
+    def __init__(self, backend: Backend, info: ModelInfo, states: dict[int, Any]) -> None:
+        self.backend = backend
+        self.info = info
+        self._states = states
+        self.resident_bytes = sum(backend.resident_bytes(s) for s in states.values())
+
+    @classmethod
+    def load(
+        cls,
+        config: ServerConfig,
+        progress: Callable[[str], None] | None = None,
+        source: WeightSource | None = None,
+    ) -> ExpertBank:
+        device = torch.device(config.device)
+        backend = create_backend(config.backend or default_backend_name(device), device)
+        source = source or WeightSource(config)
+        h, i, e, top_k = source.shape
+        if config.experts is not None:
+            experts = sorted(set(config.experts))
+            if experts[0] < 0 or experts[-1] >= e:
+                raise ValueError(f"--experts {experts[0]}..{experts[-1]} outside [0, {e})")
+        else:
+            experts = shard_experts(e, config.shard, config.num_shards)
+        report = progress or _default_progress()
+        states: dict[int, Any] = {}
+        loaded = 0
+        start = time.perf_counter()
+        for n, layer in enumerate(source.layers, 1):
+            shard_layer = source.load(layer, experts)
+            loaded += shard_layer.nbytes()
+            states[layer] = backend.prepare(shard_layer)
+            del shard_layer
+            report(
+                f"loaded layer {layer} ({n}/{len(source.layers)}): {len(experts)} experts, "
+                f"{loaded / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s"
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if progress is None and sys.stderr.isatty():
+            sys.stderr.write("\n")
+        info = ModelInfo(h, i, e, top_k, tuple(source.layers), tuple(experts), config.source())
+        return cls(backend, info, states)
+
+    def has_layer(self, layer: int) -> bool:
+        return layer in self._states
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+        """CPU tensors in (validated), CPU bf16 [M, H] out: this shard's contribution."""
+        device = self.backend.device
+        if x.shape[0] == 0:
+            return torch.zeros((0, self.info.hidden_size), dtype=torch.bfloat16)
+        out = self.backend.forward(
+            self._states[layer],
+            x.to(device, non_blocking=True),
+            ids.to(device=device, dtype=torch.int32, non_blocking=True),
+            w.to(device=device, dtype=torch.float32, non_blocking=True),
+        )
+        return out.to("cpu")
+
+
+def _default_progress() -> Callable[[str], None]:
+    """A live line on a terminal, log lines otherwise."""
+    if sys.stderr.isatty():
+
+        def show(msg: str) -> None:
+            sys.stderr.write("\r\033[K" + msg)
+            sys.stderr.flush()
+
+        return show
+    return log.info
+
+
+__all__ = ["ExpertBank", "ModelInfo", "WeightSource", "parse_expert_list"]

@@ -1,0 +1,65 @@
+"""Server configuration: one dataclass, filled from flags or EXPERTD_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    # Where the weights come from: a checkpoint directory or a synthetic preset.
+    checkpoint: str | None = None
+    synthetic: str | None = None  # preset name
+    layers: int | None = (
+        None  # synthetic: how many layers; checkpoint: serve the first N (None = all)
+    )
+    seed: int = 0  # synthetic seed
+    prefix: str = "model."  # checkpoint tensor-name prefix
+    # Which experts: shard s of n (contiguous ranges), or an explicit list.
+    shard: int = 0
+    num_shards: int = 1
+    experts: list[int] | None = None
+    # Where and how it runs.
+    listen: str = "127.0.0.1:0"
+    device: str = "cpu"
+    backend: str | None = None  # None = the best one for the device
+    # Limits.
+    max_tokens: int = 16384  # tokens per request
+    max_top_k: int = 64  # routes per token
+    grace_s: float = 30.0  # drain time on SIGTERM
+    torch_threads: int | None = None  # intra-op threads (None = torch's default)
+    model_name: str = field(default="")
+
+    def source(self) -> str:
+        if self.synthetic:
+            return f"synthetic:{self.synthetic}:seed={self.seed}"
+        return self.checkpoint or ""
+
+
+def parse_expert_list(text: str) -> list[int]:
+    """'0-27,200,201' -> [0, 1, ..., 27, 200, 201] (sorted, distinct)."""
+    experts: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(
+                f"bad expert range {part!r} in {text!r} (want e.g. 0-27,200)"
+            ) from None
+        if a < 0 or b < a:
+            raise ValueError(f"bad expert range {part!r} in {text!r}")
+        experts.update(range(a, b + 1))
+    if not experts:
+        raise ValueError(f"empty expert list {text!r}")
+    return sorted(experts)
+
+
+def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
+    """Shard s of n owns the contiguous range [s*E/n, (s+1)*E/n) (SPEC section 1)."""
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
+    if num_shards > num_experts:
+        raise ValueError(f"{num_shards} shards for {num_experts} experts: some would own none")
+    return list(range(shard * num_experts // num_shards, (shard + 1) * num_experts // num_shards))

@@ -1,0 +1,59 @@
+"""Shared fixtures: a real 8-shard service on loopback (in-process servers,
+each with its own event loop and port), and the full layers it serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertd.server.app import BackgroundServer
+from expertd.server.config import ServerConfig
+from expertd.server.synthetic import get_preset, synthetic_layer
+
+PRESET = get_preset("small")  # H=512, I=256, E=64, top_k=8
+SEED = 7
+LAYERS = 2
+SHARDS = 8
+
+
+def routing(m: int, gen: torch.Generator, num_experts: int = 64, top_k: int = 8):
+    """Top-k routing as a router makes it: distinct ids per token, softmax weights."""
+    logits = torch.randn((m, num_experts), generator=gen)
+    top = logits.topk(top_k, dim=1)
+    return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
+
+
+def hidden(m: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn((m, PRESET.hidden_size), generator=gen).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def full_layers():
+    """Every expert of each served layer, for the reference."""
+    return [
+        synthetic_layer(PRESET, SEED, layer, list(range(PRESET.num_experts)))
+        for layer in range(LAYERS)
+    ]
+
+
+def shard_config(shard: int, **overrides) -> ServerConfig:
+    config = ServerConfig(
+        synthetic="small", layers=LAYERS, seed=SEED, shard=shard, num_shards=SHARDS
+    )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """8 shard servers of the `small` preset on loopback ports; yields them."""
+    servers = [BackgroundServer(shard_config(s)) for s in range(SHARDS)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def addresses(cluster) -> list[str]:
+    return [s.address for s in cluster]

@@ -1,0 +1,161 @@
+"""The real command line: make-checkpoint, serve from the checkpoint in a child
+process, and a graceful SIGTERM while calls are in flight."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from conftest import hidden, routing
+
+from expertd import wire
+from expertd.kernels import reference_forward, relative_error
+from expertd.server.checkpoint import CheckpointReader
+from expertd.server.launcher import health_status, start_shard, stop_shards, wait_serving
+from expertd.v1 import expertd_pb2 as pb
+from expertd.v1 import expertd_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "small"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "expertd",
+            "make-checkpoint",
+            str(path),
+            "--preset",
+            "small",
+            "--layers",
+            "1",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    shard = start_shard(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--shard",
+            "1",
+            "--num-shards",
+            "4",
+            "--torch-threads",
+            "1",
+        ]
+    )
+    try:
+        wait_serving([shard], timeout=120)
+        yield shard
+    finally:
+        stop_shards([shard])
+
+
+def test_serve_from_checkpoint(served, checkpoint):
+    with grpc.insecure_channel(served.address) as ch:
+        stub = pb_grpc.ExpertServiceStub(ch)
+        d = stub.Describe(pb.DescribeRequest(), timeout=5)
+        assert list(d.experts) == list(range(16, 32)) and d.model == str(checkpoint)
+        gen = torch.Generator().manual_seed(0)
+        x = hidden(9, gen)
+        ids, w = routing(9, gen)
+        reply = stub.Forward(
+            pb.ForwardRequest(
+                layer=0,
+                hidden_states=wire.encode(x),
+                topk_ids=wire.encode(ids),
+                topk_weights=wire.encode(w),
+            ),
+            timeout=30,
+        )
+    layer = CheckpointReader(str(checkpoint)).load_layer(0, list(range(16, 32)))
+    assert (
+        relative_error(wire.decode(reply.output, "output"), reference_forward(layer, x, ids, w))
+        <= 1e-2
+    )
+
+
+def test_sigterm_finishes_calls_in_flight(checkpoint):
+    shard = start_shard(["--checkpoint", str(checkpoint), "--torch-threads", "1", "--grace", "60"])
+    wait_serving([shard], timeout=120)
+    gen = torch.Generator().manual_seed(1)
+    x = hidden(2048, gen)
+    ids, w = routing(2048, gen)
+    req = pb.ForwardRequest(
+        layer=0,
+        hidden_states=wire.encode(x),
+        topk_ids=wire.encode(ids),
+        topk_weights=wire.encode(w),
+    )
+    with grpc.insecure_channel(
+        shard.address, options=[("grpc.max_receive_message_length", -1)]
+    ) as ch:
+        stub = pb_grpc.ExpertServiceStub(ch)
+        calls = [stub.Forward.future(req, timeout=120) for _ in range(6)]
+        calls[0].result()  # the first is done, so the other five are queued or running
+        shard.process.send_signal(signal.SIGTERM)
+        results = [c.result() for c in calls]  # each one completes despite the signal
+    assert shard.process.wait(timeout=60) == 0
+    first = wire.decode(results[0].output, "output")
+    assert all(torch.equal(wire.decode(r.output, "output"), first) for r in results)
+    assert health_status(shard.address, timeout=0.5) is None  # gone
+
+
+def test_bad_checkpoint_exits_nonzero(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "expertd", "serve", "--checkpoint", str(empty)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert str(empty) in done.stderr
+
+
+def test_serve_needs_one_weight_source():
+    done = subprocess.run(
+        [sys.executable, "-m", "expertd", "serve"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "--checkpoint" in done.stderr
+
+
+def test_concurrent_clients_on_one_process(served, checkpoint):
+    layer = CheckpointReader(str(checkpoint)).load_layer(0, list(range(16, 32)))
+    gen = torch.Generator().manual_seed(2)
+    cases = [(hidden(m, gen), *routing(m, gen)) for m in (1, 5, 80, 300)]
+
+    def call(case):
+        x, ids, w = case
+        with grpc.insecure_channel(served.address) as ch:
+            r = pb_grpc.ExpertServiceStub(ch).Forward(
+                pb.ForwardRequest(
+                    layer=0,
+                    hidden_states=wire.encode(x),
+                    topk_ids=wire.encode(ids),
+                    topk_weights=wire.encode(w),
+                ),
+                timeout=60,
+            )
+        return relative_error(wire.decode(r.output, "output"), reference_forward(layer, x, ids, w))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert max(pool.map(call, cases)) <= 1e-2
