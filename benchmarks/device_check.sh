@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the device machine: install, build, GPU tests, sanitizers, benchmark.
+# Logs, JSON and PNG land under $OUT; a short table is printed last.
+#   bash benchmarks/device_check.sh [tests|sanitize|bench|all] [benchmark args...]
+# A prebuilt kernel cache carried in .carry/kernels is used when its key matches (same sources,
+# flags and nvcc); otherwise the library is rebuilt there (a few seconds).
+set -u -o pipefail
+OUT=${OUT:-/tmp/expertd-out}
+mkdir -p "$OUT"
+what=${1:-all}; shift || true
+export PYTHONUNBUFFERED=1
+export EXPERTD_KERNEL_CACHE=${EXPERTD_KERNEL_CACHE:-$PWD/.carry/kernels}
+summary=()
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { echo "pip install failed"; tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+EXPERTD_KERNEL_VERBOSE=1 python3 -m expertd.kernels.build >"$OUT/build.log" 2>&1 \
+  || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+summary+=("build: ok ($(tail -1 "$OUT/build.log"))")
+
+if [[ $what == all || $what == tests ]]; then
+  timeout 400 python3 -m pytest -q -s --noconftest -p no:cacheprovider -m cuda tests/test_cuda_kernels.py >"$OUT/tests.log" 2>&1
+  rc=$?
+  grep -E "rel err" "$OUT/tests.log" | sort -t' ' -k1,1 | tail -40
+  tail -15 "$OUT/tests.log"
+  summary+=("gpu tests: rc=$rc $(tail -1 "$OUT/tests.log")")
+fi
+if [[ $what == all || $what == sanitize ]]; then
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \
+      >"$OUT/sanitize-$tool.log" 2>&1
+    rc=$?
+    tail -4 "$OUT/sanitize-$tool.log"
+    summary+=("$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)")
+  done
+fi
+if [[ $what == all || $what == bench ]]; then
+  timeout 420 python3 benchmarks/kernel.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -22
+  summary+=("bench: rc=$?")
+fi
+echo "== summary =="
+printf '%s\n' "${summary[@]}"

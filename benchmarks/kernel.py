@@ -1,0 +1,263 @@
+"""Kernel benchmark: the shard forward (preset muse-spark, 32 local experts) over the M sweep of
+../shared/PERF.md, with the floor's two rates measured in the same run.
+
+Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under --out.
+
+    python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--quick]
+
+Timings: median over repetitions of (time of N back-to-back calls) / N, CUDA events, after
+warm-up, cycling over 4 input sets. `graph` = CUDA-graph replay (one graph per input set),
+`eager` = Python call per forward. Baseline = weights dequantized to bf16 once, then per hit
+expert torch matmuls (index by expert with host syncs), eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from expertd.kernels.cuda import CudaBackend, GraphedForward
+from expertd.kernels.layer import ShardLayer
+from expertd.kernels.nvfp4 import Nvfp4Weight, quantize
+from expertd.kernels.reference import RMS_EPS, relative_error
+
+M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
+SETS = 4
+
+
+def gpu_layer(seed: int = 0) -> ShardLayer:
+    """32 muse-spark-shaped experts drawn and quantized on the GPU (fast; not the synthetic
+    checkpoint's exact tensors, same statistics)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def proj(n, k, gain):
+        parts = []
+        for _ in range(EL):
+            w = torch.randn((n, k), generator=gen, device="cuda")
+            spread = torch.empty((n, k // 16, 1), device="cuda").uniform_(-2, 2, generator=gen)
+            w = (w.view(n, k // 16, 16) * spread.exp()).view(n, k) * (gain / k**0.5)
+            parts.append(quantize(w))
+        return Nvfp4Weight(
+            torch.stack([p.weight for p in parts]),
+            torch.stack([p.weight_scale for p in parts]),
+            torch.stack([p.weight_scale_2 for p in parts]),
+        )
+
+    experts = tuple(range(32, 32 + EL))  # shard 1 of 8
+    norm = (torch.randn(H, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    return ShardLayer(experts, E, proj(INTER, H, 1.0), proj(INTER, H, 2.5), proj(H, INTER, 1.0), norm)
+
+
+def routes(m: int, gen: torch.Generator):
+    """Real top-8 routing: 8 distinct ids of 256 per token, uniform; softmax-like weights."""
+    ids = torch.rand((m, E), generator=gen, device="cuda").topk(TOP_K, dim=1).indices
+    w = torch.rand((m, TOP_K), generator=gen, device="cuda")
+    return ids.to(torch.int32), (w / w.sum(dim=1, keepdim=True)).float()
+
+
+def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
+    """Median seconds per call over `reps` runs of `calls` back-to-back calls."""
+    for s in range(n_sets):
+        fn(s)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for c in range(calls):
+            fn(c % n_sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def measure_copy_bw() -> float:
+    n = 1 << 30  # 1 GiB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    t = time_calls(lambda s: b.copy_(a), 1, 10, 5)
+    return 2 * n / t
+
+
+def measure_matmul() -> float:
+    n = 8192
+    a = torch.randn((n, n), device="cuda").to(torch.bfloat16)
+    b = torch.randn((n, n), device="cuda").to(torch.bfloat16)
+    t = time_calls(lambda s: a @ b, 1, 10, 5)
+    return 2 * n**3 / t
+
+
+class Baseline:
+    """Weights dequantized to bf16 once; per hit expert: gather, two matmuls, norm, index_add."""
+
+    def __init__(self, layer: ShardLayer):
+        self.w13 = torch.cat(
+            (layer.gate.dequantize(torch.float32), layer.up.dequantize(torch.float32)), dim=1
+        ).to(torch.bfloat16)
+        self.w2 = layer.down.dequantize(torch.float32).to(torch.bfloat16)
+        self.scale = 1.0 + layer.norm_weight.float()
+        self.local_of = layer.global_to_local("cuda").long()
+
+    def __call__(self, x, ids, w):
+        slots = self.local_of[ids.long() % self.local_of.numel()]
+        out = torch.zeros((x.shape[0], H), dtype=torch.float32, device=x.device)
+        for e in torch.unique(slots[slots >= 0]).tolist():
+            tok, j = torch.nonzero(slots == e, as_tuple=True)
+            hdn = x[tok] @ self.w13[e].T
+            act = torch.nn.functional.silu(hdn[:, :INTER]) * hdn[:, INTER:]
+            z = (act @ self.w2[e].T).float() * self.scale
+            r = z * torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + RMS_EPS)
+            out.index_add_(0, tok, r * w[tok, j].unsqueeze(-1))
+        return out.to(torch.bfloat16)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
+    ap.add_argument("--kind", default="nvidia-h200")
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    name = torch.cuda.get_device_name()
+    bw = measure_copy_bw()
+    tc = measure_matmul()
+    print(f"{name}: copy {bw / 1e9:.0f} GB/s, bf16 matmul {tc / 1e12:.0f} TFLOP/s", flush=True)
+
+    layer = gpu_layer()
+    backend = CudaBackend("cuda", max_tokens=max(ms))
+    state = backend.prepare(layer)
+    expert_bytes = layer.nbytes() / EL  # NVFP4 codes + fp8 scales of one expert
+    baseline = None if args.no_baseline else Baseline(layer)
+    local_of = layer.global_to_local("cuda").long()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    rows = []
+    for m in ms:
+        sets = []
+        for _ in range(SETS):
+            ids, w = routes(m, gen)
+            x = torch.randn((m, H), generator=gen, device="cuda").to(torch.bfloat16)
+            sets.append((x, ids, w))
+        slots = local_of[sets[0][1].long()]
+        hit = int(torch.unique(slots[slots >= 0]).numel())
+        local_routes = int((slots >= 0).sum())
+        flops = local_routes * 2 * (H * 2 * INTER + INTER * H)
+        floor = max(hit * expert_bytes / bw, flops / tc)
+        calls = 20 if m <= 512 else 5 if m <= 4096 else 2
+        reps = 15 if m <= 4096 else 7
+
+        outs = [torch.empty((m, H), dtype=torch.bfloat16, device="cuda") for _ in range(SETS)]
+        t_eager = time_calls(
+            lambda s, sets=sets, outs=outs: backend.forward_into(state, *sets[s], outs[s]),
+            SETS,
+            calls,
+            reps,
+        )
+        graphs = []
+        for x, ids, w in sets:
+            g = GraphedForward(backend, state, m, TOP_K)
+            g.x.copy_(x)
+            g.topk_ids.copy_(ids)
+            g.topk_weights.copy_(w)
+            graphs.append(g)
+        t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), SETS, calls, reps)
+        torch.cuda.synchronize()
+        row = {
+            "M": m,
+            "hit_experts": hit,
+            "local_routes": local_routes,
+            "floor_us": floor * 1e6,
+            "graph_us": t_graph * 1e6,
+            "eager_us": t_eager * 1e6,
+            "graph_x_floor": t_graph / floor,
+            "graph_GBps": hit * expert_bytes / t_graph / 1e9,
+            "graph_TFLOPs": flops / t_graph / 1e12,
+        }
+        if baseline is not None:
+            t_base = time_calls(
+                lambda s, sets=sets: baseline(*sets[s]), SETS, max(1, calls // 4), max(3, reps // 3)
+            )
+            ref = baseline(*sets[0])
+            row["baseline_us"] = t_base * 1e6
+            row["baseline_x_floor"] = t_base / floor
+            row["speedup_vs_baseline"] = t_base / t_graph
+            row["rel_err_vs_baseline"] = relative_error(graphs[0].replay().clone(), ref)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del graphs, outs, sets
+        torch.cuda.empty_cache()
+
+    date = dt.date.today().isoformat()
+    result = {
+        "date": date,
+        "kind": args.kind,
+        "device": name,
+        "copy_GBps": bw / 1e9,
+        "matmul_TFLOPs": tc / 1e12,
+        "preset": "muse-spark",
+        "local_experts": EL,
+        "expert_bytes": expert_bytes,
+        "timing": "median of reps x (N back-to-back calls)/N, CUDA events, 4 rotating input sets",
+        "rows": rows,
+    }
+    stem = f"kernel-{args.kind}-{date}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 5))
+        mm = [r["M"] for r in rows]
+        ax.loglog(mm, [r["floor_us"] for r in rows], "k--", label="floor")
+        ax.loglog(mm, [r["graph_us"] for r in rows], "o-", label="cuda (graph)")
+        ax.loglog(mm, [r["eager_us"] for r in rows], ".-", label="cuda (eager)")
+        if baseline is not None:
+            ax.loglog(mm, [r["baseline_us"] for r in rows], "s-", label="baseline bf16 torch")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("time per forward (us)")
+        ax.set_title(f"expertd shard forward, muse-spark, {EL} experts, {name}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.savefig(out_dir / f"{stem}.png", dpi=120, bbox_inches="tight")
+    except Exception as exc:  # the numbers matter more than the plot
+        print(f"plot skipped: {exc}", file=sys.stderr)
+
+    print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
+    head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
+    head += f" {'GB/s':>6} {'TFLOP/s':>8}"
+    if baseline is not None:
+        head += f" {'base us':>9} {'x base':>7} {'err':>8}"
+    print(head)
+    for r in rows:
+        line = (
+            f"{r['M']:>6} {r['hit_experts']:>4} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
+            f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['graph_TFLOPs']:>8.1f}"
+        )
+        if baseline is not None:
+            line += (
+                f" {r['baseline_us']:>9.1f} {r['speedup_vs_baseline']:>7.2f}"
+                f" {r['rel_err_vs_baseline']:>8.1e}"
+            )
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

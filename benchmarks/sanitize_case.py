@@ -1,0 +1,41 @@
+"""A small forward for compute-sanitizer (memcheck / racecheck / initcheck): preset `small`, a
+shard of 16 experts, a few token counts and every compiled tile size. Exits non-zero on a wrong
+result. Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from expertd.kernels.cuda import CudaBackend
+from expertd.kernels.reference import reference_forward, relative_error
+from expertd.server.synthetic import PRESETS, synthetic_layer
+
+
+def main() -> int:
+    preset = PRESETS["small"]
+    layer = synthetic_layer(preset, seed=3, layer=0, experts=list(range(16, 32)), device="cpu")
+    layer_gpu = layer.to("cuda")
+    backend = CudaBackend("cuda")
+    state = backend.prepare(layer_gpu)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for m, bt in ((1, 0), (5, 8), (33, 16), (70, 32), (130, 64)):
+        ids = torch.stack([torch.randperm(preset.num_experts, generator=gen)[:8] for _ in range(m)])
+        ids = ids.to(torch.int32)
+        ids[0, 0] = -1
+        w = torch.rand((m, 8), generator=gen)
+        x = torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
+        out = torch.full((m, preset.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        backend.forward_into(state, x.cuda(), ids.cuda(), w.cuda(), out, bt=bt)
+        torch.cuda.synchronize()
+        err = relative_error(out.cpu(), reference_forward(layer, x, ids, w))
+        worst = max(worst, err if out.isfinite().all() else float("inf"))
+        print(f"M={m} bt={bt}: rel err {err:.2e}")
+    print(f"worst rel err {worst:.2e}")
+    return 0 if worst <= 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

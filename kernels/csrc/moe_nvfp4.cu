@@ -1,0 +1,728 @@
+// expertd: one shard's NVFP4 W4A16 MoE forward on Hopper (sm_90a), as a C-ABI library.
+//
+// What it computes (SPEC section 3), for every route (t, j) whose expert is owned here:
+//     h = W13[e] @ x[t];  a = silu(h[:I]) * h[I:];  z = (W2[e] @ a) * (1 + w_norm)
+//     out[t] = sum_j topk_weights[t, j] * z / sqrt(mean(z^2) + 1e-8)
+//
+// Four launches on the caller's stream, no host sync, no allocation (graph-capturable):
+//   1. route_kernel      one block: local routes grouped by expert, each expert's run padded to
+//                        BT positions ("tiles"); pos_of_route, sorted_route, tile_expert, num_tiles.
+//   2. moe_gemm<GATED>   per (tile, n-block): act[pos, :] = silu(gate) * up, bf16, 2I never stored.
+//   3. moe_gemm<!GATED>  per (tile, n-block): z[pos, :] = (W2 a) * gs * (1 + w_norm), bf16, plus the
+//                        block's partial sum of z^2 per position (deterministic, no atomics).
+//   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j]; writes
+//                        every element (zeros for tokens with no owned route).
+//
+// GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
+// tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
+// mma.sync.m16n8k16 bf16 -> fp32. One k-step (16 k) is exactly one NVFP4 scale block.
+//
+// Resident weight layout (made by kernels/repack.py, checked on the CPU by tests):
+//   codes  uint4 [El][Mt][K/64][32 lanes]: the 16 bytes lane (g = lane/4, t = lane%4) of a warp
+//          needs for 4 k-steps of one m-tile (16 rows x 64 k); word ks holds 8 nibbles:
+//              nibble 3,7: rows g   , k 2t,2t+1      (A regs a0,a1)
+//              nibble 2,6: rows g+8 , k 2t,2t+1      (a2,a3)
+//              nibble 1,5: rows g   , k 2t+8,2t+9    (a4,a5)
+//              nibble 0,4: rows g+8 , k 2t+8,2t+9    (a6,a7)
+//          so f(q << 4i) = (x & 0x80008000) | ((x >> 6) & 0x01C001C0) yields A reg i as two bf16
+//          equal to the E2M1 values times 2^-126 (0.5 comes out as a bf16 subnormal).
+//   scales uint8 [El][Mt][K/64][8 g][4 ks][2]: the fp8 e4m3 scales of rows g and g+8 for k-step
+//          ks, one 16-bit pair -> cvt.rn.f16x2.e4m3x2 -> re-biased to bf16 = fp8 * 2^119.
+//          The product f(.) * scale = E2M1 * fp8 * 2^-7 is exact in bf16; the epilogue multiplies
+//          by weight_scale_2 * 2^7 in fp32 (per projection, so gate and up may differ).
+//   GEMM1 rows are interleaved: m-tile m holds gate rows 8m..8m+7 then up rows 8m..8m+7, so the
+//          accumulator of one thread holds gate and up of the same column (c0/c2, c1/c3).
+//
+// Work partitioning of one GEMM block (NW warps, each WM m-tiles, all BT tokens of one tile):
+//
+//        k ->  [stage 0][stage 1] ... (BK = 64*KG per stage, STAGES-deep cp.async ring)
+//   rows  warp 0: m-tiles 0..WM-1      x  BT tokens (B from smem via ldmatrix, XOR-swizzled)
+//         warp 1: m-tiles WM..2WM-1
+//         ...
+// Weights stream through shared memory in consumption order; each lane reads back exactly the
+// 16 bytes it copied (so weight reads need no barrier of their own).
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+namespace {
+
+constexpr float kRmsEps = 1e-8f;
+constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequantized bf16
+
+// ---------------------------------------------------------------------------------------------
+// Compiled configurations. Only these; each is a decision (see kernels/NOTES.md).
+// BT = tokens per tile (routes per expert are padded to it); chosen per call from the expected
+// routes per expert (M * top_k / E). WM = m-tiles per warp, NW = warps, KG = 64-k groups per
+// stage, ST = pipeline stages.
+//
+//  BT | GEMM1 (gate/up)   WM NW KG ST | GEMM2 (down)  WM NW KG ST | why
+//   8 |                    1  4  4  6 |                1  2  4  6 | decode: memory-bound, many
+//  16 |                    1  4  4  5 |                1  2  4  5 |   blocks and bytes in flight
+//  32 |                    1  4  2  4 |                1  4  2  4 | middle
+//  64 |                    2  4  2  4 |                2  4  2  4 | prefill: reuse each dequant
+// ---------------------------------------------------------------------------------------------
+#define EXPERTD_FOR_EACH_CONFIG(X) \
+  X(8, 1, 4, 4, 6, 1, 2, 4, 6)     \
+  X(16, 1, 4, 4, 5, 1, 2, 4, 5)    \
+  X(32, 1, 4, 2, 4, 1, 4, 2, 4)    \
+  X(64, 2, 4, 2, 4, 2, 4, 2, 4)
+
+// ------------------------------------ PTX helpers --------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (padding rows).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                            uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  // bf16 arithmetic keeps subnormals (no .ftz form exists for bf16), so E2M1 0.5 survives.
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
+// Two E2M1 codes (nibbles at bits 12-15 and 28-31) -> two bf16 = value * 2^-126.
+__device__ __forceinline__ uint32_t e2m1x2_to_bf16x2(uint32_t x) {
+  return (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
+}
+
+// Two fp8 e4m3 scales (low byte: row g, high byte: row g+8) -> bf16x2 = fp8 * 2^119.
+// e4m3 -> f16 is exact (cvt, sm_89+); then f16 -> bf16 by re-biasing the exponent:
+// bf16 exponent = f16 exponent + 231 (<= 23 + 231 = 254 for 448). Scales are >= 0; a zero scale
+// has all-zero codes after the repack, so its (finite) converted value never matters.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_shifted(uint16_t s) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(s));
+  return ((h >> 3) & 0x0FFF0FFFu) + 0x73807380u;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ uint16_t to_bf16_bits(float v) {
+  return static_cast<uint16_t>(pack_bf16x2(v, 0.0f) & 0xFFFFu);
+}
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
+  return __uint_as_float(bits16 << 16);
+}
+
+// ------------------------------------ 1. routing ---------------------------------------------
+
+// One block. Shared memory: cnt[El], off[El + 1], fill[El].
+__global__ void route_kernel(const int* __restrict__ topk_ids, int num_routes,
+                             const int* __restrict__ local_of, int num_experts, int el, int bt,
+                             int* __restrict__ sorted_route, int* __restrict__ pos_of_route,
+                             int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+  extern __shared__ int sm[];
+  int* cnt = sm;
+  int* off = sm + el;
+  int* fill = off + el + 1;
+  for (int i = threadIdx.x; i < el; i += blockDim.x) {
+    cnt[i] = 0;
+    fill[i] = 0;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < num_routes; r += blockDim.x) {
+    int id = topk_ids[r];
+    int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
+    if (e >= 0 && e < el) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int e = 0; e < el; ++e) {
+      off[e] = acc;
+      acc += (cnt[e] + bt - 1) / bt * bt;
+    }
+    off[el] = acc;
+    *num_tiles = acc / bt;
+  }
+  __syncthreads();
+  const int total = off[el];
+  for (int p = threadIdx.x; p < total; p += blockDim.x) sorted_route[p] = -1;
+  for (int tile = threadIdx.x; tile < total / bt; tile += blockDim.x) {
+    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt
+    const int p = tile * bt;
+    while (lo < hi) {
+      int mid = (lo + hi + 1) >> 1;
+      if (off[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    tile_expert[tile] = lo;
+  }
+  __syncthreads();  // padding written before the scatter overwrites the used positions
+  for (int r = threadIdx.x; r < num_routes; r += blockDim.x) {
+    int id = topk_ids[r];
+    int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
+    int p = -1;
+    if (e >= 0 && e < el) {
+      p = off[e] + atomicAdd(&fill[e], 1);
+      sorted_route[p] = r;
+    }
+    pos_of_route[r] = p;
+  }
+}
+
+// ------------------------------------ 2./3. grouped GEMM -------------------------------------
+
+struct GemmArgs {
+  const uint4* codes;          // [El][Mt][K/64][32] 16-byte lane chunks
+  const uint4* scales;         // [El][Mt][K/64][64 B] as 4 uint4
+  const uint16_t* act_in;      // GEMM1: x [M, K]; GEMM2: act [pcap, K] (bf16 bits)
+  const int* sorted_route;     // [pcap]
+  const int* tile_expert;      // [t_max]
+  const int* num_tiles;        // [1]
+  const float* gscale;         // GEMM1: [El][2] (gate, up); GEMM2: [El]
+  const uint16_t* norm_weight;  // GEMM2: bf16 [H]
+  uint16_t* out;               // GEMM1: act [pcap, N/2]; GEMM2: z [pcap, N] (bf16 bits)
+  float* partial;              // GEMM2: [N / rows per block][pcap] sum of z^2
+  int k;                       // reduction length (H for GEMM1, I for GEMM2)
+  int mt;                      // m-tiles per expert (N / 16)
+  int top_k;
+  int pcap;
+};
+
+template <int BT, int WM, int NW, int KG, int ST>
+struct GemmShape {
+  static constexpr int kThreads = NW * 32;
+  static constexpr int kBK = 64 * KG;
+  static constexpr int kMTiles = NW * WM;                 // m-tiles per block
+  static constexpr int kWBytes = kMTiles * KG * 512;      // codes per stage
+  static constexpr int kSBytes = kMTiles * KG * 64;       // scales per stage
+  static constexpr int kABytes = BT * kBK * 2;            // activations per stage
+  static constexpr int kStageBytes = kWBytes + kSBytes + kABytes;
+  static constexpr int kSmemBytes = kStageBytes * ST;
+  static_assert(BT % 8 == 0, "BT is a multiple of the MMA's n = 8");
+  static_assert(kBK >= 64, "the activation swizzle needs 8 chunks per row");
+};
+
+template <int BT, int WM, int NW, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NW * 32) moe_gemm_kernel(const GemmArgs a) {
+  using S = GemmShape<BT, WM, NW, KG, ST>;
+  constexpr int NT = BT / 8;  // n-tiles
+  const int tile = blockIdx.x;
+  if (tile >= *a.num_tiles) return;
+  const int e = a.tile_expert[tile];
+  const int mt0 = blockIdx.y * S::kMTiles;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int kt_count = a.k / S::kBK;
+  const int kg_count = a.k / 64;
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ long long row_off[BT];  // element offset of each token row in act_in, -1 = padding
+  __shared__ float red[NW][BT];
+
+  for (int i = threadIdx.x; i < BT; i += S::kThreads) {
+    const int pos = tile * BT + i;
+    if constexpr (GATED) {
+      const int r = a.sorted_route[pos];
+      row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
+    } else {
+      row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
+    }
+  }
+  __syncthreads();
+
+  const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
+  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 4;
+
+  auto load_stage = [&](int slot, int kt) {
+    uint8_t* base = smem + slot * S::kStageBytes;
+    const uint32_t w_s = smem_addr(base);
+    const uint32_t s_s = smem_addr(base + S::kWBytes);
+    const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
+    const int kg0 = kt * KG;
+#pragma unroll
+    for (int c = threadIdx.x; c < S::kMTiles * KG * 32; c += S::kThreads) {
+      const int m = c / (KG * 32), rem = c % (KG * 32);
+      cp_async16(w_s + c * 16, codes_e + (static_cast<long long>(m) * kg_count + kg0) * 32 + rem,
+                 16);
+    }
+#pragma unroll
+    for (int c = threadIdx.x; c < S::kMTiles * KG * 4; c += S::kThreads) {
+      const int m = c / (KG * 4), rem = c % (KG * 4);
+      cp_async16(s_s + c * 16, scales_e + (static_cast<long long>(m) * kg_count + kg0) * 4 + rem,
+                 16);
+    }
+    constexpr int kChunksPerRow = S::kBK / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < BT * kChunksPerRow; c += S::kThreads) {
+      const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
+      const long long ro = row_off[row];
+      const uint16_t* src = a.act_in + (ro >= 0 ? ro : 0) + kt * S::kBK + ch * 8;
+      const int phys = (ch & ~7) | ((ch ^ row) & 7);
+      cp_async16(a_s + (row * kChunksPerRow + phys) * 16, src, ro >= 0 ? 16 : 0);
+    }
+  };
+
+  float acc[WM][NT][4];
+#pragma unroll
+  for (int w = 0; w < WM; ++w)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[w][n][c] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < kt_count) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  const int g = lane >> 2;
+  for (int kt = 0; kt < kt_count; ++kt) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    {
+      const int next = kt + ST - 1;
+      if (next < kt_count) load_stage(next % ST, next);
+      cp_async_commit();
+    }
+    const uint8_t* base = smem + (kt % ST) * S::kStageBytes;
+    const uint8_t* w_s = base;
+    const uint8_t* s_s = base + S::kWBytes;
+    const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) {
+      uint4 q[WM];
+      uint2 sc[WM];
+#pragma unroll
+      for (int w = 0; w < WM; ++w) {
+        const int m = warp * WM + w;
+        q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
+        sc[w] = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
+      }
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        uint32_t b[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int row = n * 8 + (lane & 7);
+          const int ch = kg * 8 + p * 4 + (lane >> 3);
+          const int phys = (ch & ~7) | ((ch ^ row) & 7);
+          ldmatrix_x4(a_s + (row * (S::kBK / 8) + phys) * 16, b[n][0], b[n][1], b[n][2], b[n][3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ks = p * 2 + h;
+#pragma unroll
+          for (int w = 0; w < WM; ++w) {
+            const uint32_t word = ks == 0 ? q[w].x : ks == 1 ? q[w].y : ks == 2 ? q[w].z : q[w].w;
+            const uint32_t sword = ks < 2 ? sc[w].x : sc[w].y;
+            const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
+                static_cast<uint16_t>((ks & 1) ? (sword >> 16) : (sword & 0xFFFFu)));
+            const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
+            const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
+            uint32_t af[4];
+            af[0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
+            af[1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
+            af[2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
+            af[3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) mma_bf16(acc[w][n], af, b[n][h * 2], b[n][h * 2 + 1]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ------------------------------------ epilogue ----------------------------------------------
+  const int t4 = lane & 3;
+  if constexpr (GATED) {
+    const float gs_gate = a.gscale[2 * e] * kScaleShift;
+    const float gs_up = a.gscale[2 * e + 1] * kScaleShift;
+    const int n_out = a.mt * 8;  // I
+#pragma unroll
+    for (int w = 0; w < WM; ++w) {
+      const int col = (mt0 + warp * WM + w) * 8 + g;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
+        const float v0 = silu(acc[w][n][0] * gs_gate) * (acc[w][n][2] * gs_up);
+        const float v1 = silu(acc[w][n][1] * gs_gate) * (acc[w][n][3] * gs_up);
+        a.out[pos * n_out + col] = to_bf16_bits(v0);
+        a.out[(pos + 1) * n_out + col] = to_bf16_bits(v1);
+      }
+    }
+  } else {
+    const float gs = a.gscale[e] * kScaleShift;
+    const int n_out = a.mt * 16;  // H
+    float ss[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) ss[n][0] = ss[n][1] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WM; ++w) {
+      const int row = (mt0 + warp * WM + w) * 16 + g;
+      const float f_lo = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row]));
+      const float f_hi = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row + 8]));
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
+        const float z0 = acc[w][n][0] * f_lo, z1 = acc[w][n][1] * f_lo;
+        const float z2 = acc[w][n][2] * f_hi, z3 = acc[w][n][3] * f_hi;
+        a.out[pos * n_out + row] = to_bf16_bits(z0);
+        a.out[(pos + 1) * n_out + row] = to_bf16_bits(z1);
+        a.out[pos * n_out + row + 8] = to_bf16_bits(z2);
+        a.out[(pos + 1) * n_out + row + 8] = to_bf16_bits(z3);
+        ss[n][0] += z0 * z0 + z2 * z2;
+        ss[n][1] += z1 * z1 + z3 * z3;
+      }
+    }
+    // Sum over the 8 row groups g (lanes with equal t4), then over warps in a fixed order.
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float v = ss[n][c];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) red[warp][n * 8 + 2 * t4 + c] = v;
+      }
+    __syncthreads();
+    for (int i = threadIdx.x; i < BT; i += S::kThreads) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][i];
+      a.partial[static_cast<long long>(blockIdx.y) * a.pcap + tile * BT + i] = v;
+    }
+  }
+}
+
+// ------------------------------------ 4. norm + weighted sum ---------------------------------
+
+// One block per token; H / 8 16-byte chunks spread over the threads.
+__global__ void finalize_kernel(const int* __restrict__ pos_of_route,
+                                const float* __restrict__ topk_weights, int top_k,
+                                const uint16_t* __restrict__ z, const float* __restrict__ partial,
+                                int nparts, int pcap, int h, uint16_t* __restrict__ out) {
+  extern __shared__ float fsm[];
+  float* coef = fsm;
+  int* pos = reinterpret_cast<int*>(fsm + top_k);
+  const int t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int j = warp; j < top_k; j += nwarps) {
+    const int p = pos_of_route[static_cast<long long>(t) * top_k + j];
+    float s = 0.0f;
+    if (p >= 0)
+      for (int q = lane; q < nparts; q += 32) s += partial[static_cast<long long>(q) * pcap + p];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) {
+      coef[j] = p >= 0 ? topk_weights[static_cast<long long>(t) * top_k + j] /
+                             sqrtf(s / static_cast<float>(h) + kRmsEps)
+                       : 0.0f;
+      pos[j] = p;
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < h / 8; c += blockDim.x) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int p = pos[j];
+      if (p < 0) continue;
+      const float cj = coef[j];
+      const uint4 v = *reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
+        acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
+      }
+    }
+    uint4 o;
+    o.x = pack_bf16x2(acc[0], acc[1]);
+    o.y = pack_bf16x2(acc[2], acc[3]);
+    o.z = pack_bf16x2(acc[4], acc[5]);
+    o.w = pack_bf16x2(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+  }
+}
+
+// ------------------------------------ host side ----------------------------------------------
+
+thread_local char g_error[512] = "";
+
+int fail(int code, const char* msg) {
+  snprintf(g_error, sizeof(g_error), "%s", msg);
+  return code;
+}
+
+int check_launch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
+    return 2;
+  }
+  return 0;
+}
+
+struct Plan {
+  int bt;
+  int t_max;
+  int pcap;
+  int nparts;  // GEMM2 n-blocks = H / rows per block
+  int g1_rows;  // weight rows per GEMM1 block
+};
+
+int g2_rows_for(int bt) {
+#define EXPERTD_G2ROWS(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
+  if (bt == BT) return 16 * W2 * N2;
+  EXPERTD_FOR_EACH_CONFIG(EXPERTD_G2ROWS)
+#undef EXPERTD_G2ROWS
+  return 0;
+}
+int g1_rows_for(int bt) {
+#define EXPERTD_G1ROWS(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
+  if (bt == BT) return 16 * W1 * N1;
+  EXPERTD_FOR_EACH_CONFIG(EXPERTD_G1ROWS)
+#undef EXPERTD_G1ROWS
+  return 0;
+}
+
+Plan make_plan(long long m, int top_k, int h, int el, int bt) {
+  Plan p;
+  const long long routes = m * top_k;
+  p.bt = bt;
+  p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
+  p.pcap = p.t_max * bt;
+  p.g1_rows = g1_rows_for(bt);
+  p.nparts = h / g2_rows_for(bt);
+  return p;
+}
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Carve {
+  int* num_tiles;
+  int* tile_expert;
+  int* sorted_route;
+  int* pos_of_route;
+  uint16_t* act;
+  uint16_t* z;
+  float* partial;
+  size_t bytes;
+};
+
+Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int inter) {
+  Carve c;
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    uint8_t* ptr = base ? base + o : nullptr;
+    o += align256(bytes);
+    return ptr;
+  };
+  c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
+  c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
+  c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
+  c.pos_of_route = reinterpret_cast<int*>(take(sizeof(int) * (m * top_k + 1)));
+  c.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * (static_cast<size_t>(p.pcap) * inter + 8)));
+  c.z = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * (static_cast<size_t>(p.pcap) * h + 8)));
+  c.partial = reinterpret_cast<float*>(take(sizeof(float) * (static_cast<size_t>(p.nparts) * p.pcap + 1)));
+  c.bytes = o;
+  return c;
+}
+
+template <int BT, int W1, int N1, int K1, int S1, int W2, int N2, int K2, int S2>
+int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
+                 cudaStream_t stream) {
+  using Sh1 = GemmShape<BT, W1, N1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, K2, S2>;
+  auto k1 = moe_gemm_kernel<BT, W1, N1, K1, S1, true>;
+  auto k2 = moe_gemm_kernel<BT, W2, N2, K2, S2, false>;
+  if (t_max == 0) return 0;
+  dim3 grid1(t_max, (2 * inter / 16) / Sh1::kMTiles);
+  k1<<<grid1, Sh1::kThreads, Sh1::kSmemBytes, stream>>>(g1);
+  if (int rc = check_launch("moe_gemm (gate/up)")) return rc;
+  dim3 grid2(t_max, (h / 16) / Sh2::kMTiles);
+  k2<<<grid2, Sh2::kThreads, Sh2::kSmemBytes, stream>>>(g2);
+  return check_launch("moe_gemm (down)");
+}
+
+template <int BT, int W1, int N1, int K1, int S1, int W2, int N2, int K2, int S2>
+int set_smem_attrs() {
+  using Sh1 = GemmShape<BT, W1, N1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, K2, S2>;
+  auto k1 = moe_gemm_kernel<BT, W1, N1, K1, S1, true>;
+  auto k2 = moe_gemm_kernel<BT, W2, N2, K2, S2, false>;
+  if (cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh1::kSmemBytes) !=
+          cudaSuccess ||
+      cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh2::kSmemBytes) !=
+          cudaSuccess)
+    return check_launch("cudaFuncSetAttribute");
+  return 0;
+}
+
+}  // namespace
+
+// ------------------------------------ C ABI --------------------------------------------------
+
+extern "C" {
+
+// Everything one forward needs. Pointers are device pointers; all tensors contiguous.
+struct ExpertdMoeArgs {
+  const void* x;              // bf16 [m, h]
+  const int* topk_ids;        // int32 [m, top_k], global ids or -1
+  const float* topk_weights;  // fp32 [m, top_k]
+  void* out;                  // bf16 [m, h]
+  const int* local_of;        // int32 [num_experts + 1]
+  const void* w13_codes;      // repacked, see header
+  const void* w13_scales;
+  const float* w13_gscale;    // fp32 [el][2]
+  const void* w2_codes;
+  const void* w2_scales;
+  const float* w2_gscale;     // fp32 [el]
+  const void* norm_weight;    // bf16 [h]
+  void* workspace;
+  long long workspace_bytes;
+  long long m;
+  int top_k;
+  int h;
+  int inter;
+  int num_experts;
+  int el;
+  int bt;                     // 0: choose
+  void* stream;               // cudaStream_t
+};
+
+const char* expertd_last_error(void) { return g_error; }
+
+// Tokens per tile for a call: expected routes per expert, rounded up to a compiled BT.
+int expertd_pick_bt(long long m, int top_k, int num_experts) {
+  const double per_expert = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
+  if (per_expert <= 8) return 8;
+  if (per_expert <= 16) return 16;
+  if (per_expert <= 32) return 32;
+  return 64;
+}
+
+// Workspace for a call with up to m tokens, whatever BT the call picks.
+long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
+  size_t best = 0;
+  for (int bt : {8, 16, 32, 64}) {
+    Plan p = make_plan(m, top_k, h, el, bt);
+    Carve c = carve(nullptr, p, m, top_k, h, inter);
+    if (c.bytes > best) best = c.bytes;
+  }
+  return static_cast<long long>(best);
+}
+
+// Raise the dynamic shared-memory limit of every compiled GEMM (call once per device, outside
+// graph capture).
+int expertd_init(void) {
+#define EXPERTD_INIT(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
+  if (int rc = set_smem_attrs<BT, W1, N1, K1, S1, W2, N2, K2, S2>()) return rc;
+  EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
+#undef EXPERTD_INIT
+  return 0;
+}
+
+int expertd_moe_forward(const ExpertdMoeArgs* args) {
+  const ExpertdMoeArgs& a = *args;
+  if (a.m < 0 || a.top_k < 1 || a.el < 1 || a.num_experts < 1)
+    return fail(1, "bad sizes: need m >= 0, top_k >= 1, el >= 1, num_experts >= 1");
+  if (a.h % 256 || a.inter % 256 || a.h <= 0 || a.inter <= 0)
+    return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
+  if (a.m == 0) return 0;
+  const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
+  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64)");
+  if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
+  const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
+  const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
+  if (static_cast<long long>(c.bytes) > a.workspace_bytes)
+    return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const int routes = static_cast<int>(a.m * a.top_k);
+
+  route_kernel<<<1, 1024, sizeof(int) * (3 * a.el + 1), stream>>>(
+      a.topk_ids, routes, a.local_of, a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route,
+      c.tile_expert, c.num_tiles);
+  if (int rc = check_launch("route_kernel")) return rc;
+
+  GemmArgs g1{};
+  g1.codes = static_cast<const uint4*>(a.w13_codes);
+  g1.scales = static_cast<const uint4*>(a.w13_scales);
+  g1.act_in = static_cast<const uint16_t*>(a.x);
+  g1.sorted_route = c.sorted_route;
+  g1.tile_expert = c.tile_expert;
+  g1.num_tiles = c.num_tiles;
+  g1.gscale = a.w13_gscale;
+  g1.out = c.act;
+  g1.k = a.h;
+  g1.mt = 2 * a.inter / 16;
+  g1.top_k = a.top_k;
+  g1.pcap = p.pcap;
+
+  GemmArgs g2{};
+  g2.codes = static_cast<const uint4*>(a.w2_codes);
+  g2.scales = static_cast<const uint4*>(a.w2_scales);
+  g2.act_in = c.act;
+  g2.sorted_route = c.sorted_route;
+  g2.tile_expert = c.tile_expert;
+  g2.num_tiles = c.num_tiles;
+  g2.gscale = a.w2_gscale;
+  g2.norm_weight = static_cast<const uint16_t*>(a.norm_weight);
+  g2.out = c.z;
+  g2.partial = c.partial;
+  g2.k = a.inter;
+  g2.mt = a.h / 16;
+  g2.top_k = a.top_k;
+  g2.pcap = p.pcap;
+
+  int rc = 0;
+#define EXPERTD_DISPATCH(BT, W1, N1, K1, S1, W2, N2, K2, S2)                                 \
+  if (bt == BT)                                                                              \
+    rc = launch_gemms<BT, W1, N1, K1, S1, W2, N2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, \
+                                                         stream);
+  EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
+#undef EXPERTD_DISPATCH
+  if (rc) return rc;
+
+  finalize_kernel<<<static_cast<unsigned>(a.m), 256, a.top_k * 8, stream>>>(
+      c.pos_of_route, a.topk_weights, a.top_k, c.z, c.partial, p.nparts, p.pcap, a.h,
+      static_cast<uint16_t*>(a.out));
+  return check_launch("finalize_kernel");
+}
+
+}  // extern "C"

@@ -1,0 +1,302 @@
+"""The `cuda` backend: our CUDA kernels (kernels/csrc/moe_nvfp4.cu) through a C ABI and ctypes.
+
+Importing this module needs neither nvcc nor a GPU: the library is built (ninja + nvcc, see
+kernels/build.py) and loaded on first use. The forward makes no host sync and, once the
+workspace is large enough, no device allocation of its own, so it can be captured in a CUDA
+graph (`GraphedForward` does that for a fixed token count).
+
+Shape legend: M tokens, K top_k, H hidden, I intermediate, E experts, El local experts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from expertd.kernels.backend import register_backend
+from expertd.kernels.layer import ShardLayer
+from expertd.kernels.repack import PackedProjection, repack_down, repack_gate_up
+
+
+class _Args(ctypes.Structure):
+    # Mirrors struct ExpertdMoeArgs in moe_nvfp4.cu, field for field.
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("topk_ids", ctypes.c_void_p),
+        ("topk_weights", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("local_of", ctypes.c_void_p),
+        ("w13_codes", ctypes.c_void_p),
+        ("w13_scales", ctypes.c_void_p),
+        ("w13_gscale", ctypes.c_void_p),
+        ("w2_codes", ctypes.c_void_p),
+        ("w2_scales", ctypes.c_void_p),
+        ("w2_gscale", ctypes.c_void_p),
+        ("norm_weight", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_longlong),
+        ("m", ctypes.c_longlong),
+        ("top_k", ctypes.c_int),
+        ("h", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("num_experts", ctypes.c_int),
+        ("el", ctypes.c_int),
+        ("bt", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+_LIB: ctypes.CDLL | None = None
+_LIB_LOCK = threading.Lock()
+_INITIALIZED: set[int] = set()
+
+
+def load_library() -> ctypes.CDLL:
+    """Build (first time) and load the kernel library."""
+    global _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            from expertd.kernels.build import library_path
+
+            lib = ctypes.CDLL(str(library_path()))
+            lib.expertd_last_error.restype = ctypes.c_char_p
+            lib.expertd_pick_bt.restype = ctypes.c_int
+            lib.expertd_pick_bt.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
+            lib.expertd_workspace_bytes.restype = ctypes.c_longlong
+            lib.expertd_workspace_bytes.argtypes = [
+                ctypes.c_longlong,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+            ]
+            lib.expertd_init.restype = ctypes.c_int
+            lib.expertd_moe_forward.restype = ctypes.c_int
+            lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
+            _LIB = lib
+        return _LIB
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: {lib.expertd_last_error().decode(errors='replace')}")
+
+
+@dataclass(slots=True)
+class CudaState:
+    """One layer, resident on the GPU in the kernels' layout."""
+
+    w13: PackedProjection  # [El, 2I/16, H/64, ...] gate/up interleaved
+    w13_gscale: torch.Tensor  # fp32 [El, 2]: (gate, up) weight_scale_2
+    w2: PackedProjection  # [El, H/16, I/64, ...]
+    w2_gscale: torch.Tensor  # fp32 [El]
+    norm_weight: torch.Tensor  # bf16 [H]
+    local_of: torch.Tensor  # int32 [E + 1]
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    num_local_experts: int
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.w13.codes,
+            self.w13.scales,
+            self.w13_gscale,
+            self.w2.codes,
+            self.w2.scales,
+            self.w2_gscale,
+            self.norm_weight,
+            self.local_of,
+        )
+
+
+def prepare_state(layer: ShardLayer, device: torch.device) -> CudaState:
+    """Checkpoint-form layer -> resident state (repack on the GPU)."""
+    h, i = layer.hidden_size, layer.intermediate_size
+    if h % 256 or i % 256:
+        raise ValueError(f"the cuda backend needs H and I multiples of 256, got H={h}, I={i}")
+    layer = layer.to(device)
+    w13 = repack_gate_up(layer.gate, layer.up)
+    w2 = repack_down(layer.down)
+    gs13 = torch.stack(
+        (layer.gate.weight_scale_2.float(), layer.up.weight_scale_2.float()), dim=1
+    ).contiguous()
+    return CudaState(
+        w13=w13,
+        w13_gscale=gs13,
+        w2=w2,
+        w2_gscale=layer.down.weight_scale_2.float().contiguous(),
+        norm_weight=layer.norm_weight.to(torch.bfloat16).contiguous(),
+        local_of=layer.global_to_local(device),
+        hidden_size=h,
+        intermediate_size=i,
+        num_experts=layer.num_experts,
+        num_local_experts=layer.num_local_experts,
+    )
+
+
+class CudaBackend:
+    """Backend `cuda`: repacked NVFP4 weights, our kernels, workspace sized for `max_tokens`.
+
+    `forward` allocates only its output (from torch's caching allocator; capturable) and grows
+    the shared workspace when a call needs more than any before it (a real allocation: warm up
+    with the largest M before capturing graphs, or pass `max_tokens`). `forward_into` writes into
+    a caller's buffer.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str = "cuda", max_tokens: int = 0) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"the cuda backend runs on a cuda device, not {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_tokens = max_tokens
+        self._workspace: torch.Tensor | None = None
+        self._lib = load_library()
+        with torch.cuda.device(self.device):
+            if self.device.index not in _INITIALIZED:
+                _check(self._lib, self._lib.expertd_init(), "expertd_init")
+                _INITIALIZED.add(self.device.index)
+
+    # -- Backend protocol ---------------------------------------------------------------------
+
+    def prepare(self, layer: ShardLayer) -> CudaState:
+        state = prepare_state(layer, self.device)
+        if self.max_tokens:
+            self.reserve(state, self.max_tokens, top_k=8)
+        return state
+
+    def forward(self, state: CudaState, x, topk_ids, topk_weights) -> torch.Tensor:
+        out = torch.empty((x.shape[0], state.hidden_size), dtype=torch.bfloat16, device=x.device)
+        return self.forward_into(state, x, topk_ids, topk_weights, out)
+
+    def resident_bytes(self, state: CudaState) -> int:
+        return sum(t.numel() * t.element_size() for t in state.tensors())
+
+    # -- workspace and the call ---------------------------------------------------------------
+
+    def workspace_bytes(self, state: CudaState, m: int, top_k: int) -> int:
+        return int(
+            self._lib.expertd_workspace_bytes(
+                m,
+                top_k,
+                state.hidden_size,
+                state.intermediate_size,
+                state.num_local_experts,
+            )
+        )
+
+    def reserve(self, state: CudaState, m: int, top_k: int) -> torch.Tensor:
+        """Make the workspace large enough for m tokens x top_k (allocates only when growing)."""
+        need = self.workspace_bytes(state, m, top_k)
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def forward_into(
+        self,
+        state: CudaState,
+        x: torch.Tensor,  # bf16 [M, H]
+        topk_ids: torch.Tensor,  # int32 [M, K] (int64 accepted: converted, an extra kernel)
+        topk_weights: torch.Tensor,  # fp32 [M, K] (bf16 accepted: converted)
+        out: torch.Tensor,  # bf16 [M, H]
+        bt: int = 0,  # tokens per tile; 0 = choose from M
+    ) -> torch.Tensor:
+        h = state.hidden_size
+        if x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:
+            raise ValueError(f"x must be bf16 [M, {h}], got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.shape[1] < 1:
+            raise ValueError(f"topk_ids must be [{m}, top_k], got {tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"topk_weights {tuple(topk_weights.shape)} must match topk_ids "
+                f"{tuple(topk_ids.shape)}"
+            )
+        if tuple(out.shape) != (m, h) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous bf16 [{m}, {h}]")
+        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the backend on {self.device}")
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        if topk_weights.dtype != torch.float32:
+            topk_weights = topk_weights.float()
+        x, topk_ids, topk_weights = (
+            x.contiguous(),
+            topk_ids.contiguous(),
+            topk_weights.contiguous(),
+        )
+        top_k = topk_ids.shape[1]
+        if m == 0:
+            return out
+        ws = self.reserve(state, m, top_k)
+        args = _Args(
+            x=x.data_ptr(),
+            topk_ids=topk_ids.data_ptr(),
+            topk_weights=topk_weights.data_ptr(),
+            out=out.data_ptr(),
+            local_of=state.local_of.data_ptr(),
+            w13_codes=state.w13.codes.data_ptr(),
+            w13_scales=state.w13.scales.data_ptr(),
+            w13_gscale=state.w13_gscale.data_ptr(),
+            w2_codes=state.w2.codes.data_ptr(),
+            w2_scales=state.w2.scales.data_ptr(),
+            w2_gscale=state.w2_gscale.data_ptr(),
+            norm_weight=state.norm_weight.data_ptr(),
+            workspace=ws.data_ptr(),
+            workspace_bytes=ws.numel(),
+            m=m,
+            top_k=top_k,
+            h=h,
+            inter=state.intermediate_size,
+            num_experts=state.num_experts,
+            el=state.num_local_experts,
+            bt=bt,
+            stream=torch.cuda.current_stream(self.device).cuda_stream,
+        )
+        with torch.cuda.device(self.device):
+            _check(self._lib, self._lib.expertd_moe_forward(ctypes.byref(args)), "moe forward")
+        return out
+
+
+class GraphedForward:
+    """One layer's forward for a fixed M and top_k, captured once in a CUDA graph.
+
+    Copy inputs into `.x`, `.topk_ids`, `.topk_weights`, call `replay()`, read `.out`
+    (or use `__call__`, which does the copies).
+    """
+
+    def __init__(self, backend: CudaBackend, state: CudaState, m: int, top_k: int) -> None:
+        dev = backend.device
+        self.x = torch.zeros((m, state.hidden_size), dtype=torch.bfloat16, device=dev)
+        self.topk_ids = torch.full((m, top_k), -1, dtype=torch.int32, device=dev)
+        self.topk_weights = torch.zeros((m, top_k), dtype=torch.float32, device=dev)
+        self.out = torch.empty((m, state.hidden_size), dtype=torch.bfloat16, device=dev)
+        backend.reserve(state, m, top_k)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # warm-up outside the capture
+            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out)
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    def __call__(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        self.x.copy_(x)
+        self.topk_ids.copy_(topk_ids)
+        self.topk_weights.copy_(topk_weights)
+        return self.replay()
+
+
+register_backend("cuda", CudaBackend)
