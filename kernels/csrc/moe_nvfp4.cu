@@ -33,17 +33,18 @@
 //   GEMM1 rows are interleaved: m-tile m holds gate rows 8m..8m+7 then up rows 8m..8m+7, so the
 //          accumulator of one thread holds gate and up of the same column (c0/c2, c1/c3).
 //
-// Work partitioning of one GEMM block (NW warps, each WM m-tiles, all BT tokens of one tile):
+// Work partitioning of one GEMM block (NW x NK warps, all BT tokens of one tile):
 //
-//        k ->  [stage 0][stage 1] ... (BK = 64*KG per stage, STAGES-deep cp.async ring)
-//   rows  warp 0: m-tiles 0..WM-1      x  BT tokens (B from smem via ldmatrix, XOR-swizzled)
-//         warp 1: m-tiles WM..2WM-1
-//         ...
-// Weights stream through shared memory in consumption order; each lane reads back exactly the
-// 16 bytes it copied (so weight reads need no barrier of their own).
+//        k ->  [ stage 0: kg 0 | kg 1 | .. ][ stage 1 ] ...  (BK = 64*KG, ST-deep cp.async ring)
+//   rows  warp (0, wk): m-tiles 0..WM-1,  k-groups kg = wk, wk + NK, ...  x BT tokens
+//         warp (1, wk): m-tiles WM..2WM-1                                 (B: ldmatrix from an
+//         ...                                                             XOR-swizzled tile)
+//   the NK k-warps of a row slice add their partial sums through shared memory at the end.
+// Weights stream through shared memory in consumption order (16-byte copies, coalesced).
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 
 namespace {
@@ -53,21 +54,25 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 
 // ---------------------------------------------------------------------------------------------
 // Compiled configurations. Only these; each is a decision (see kernels/NOTES.md).
-// BT = tokens per tile (routes per expert are padded to it); chosen per call from the expected
-// routes per expert (M * top_k / E). WM = m-tiles per warp, NW = warps, KG = 64-k groups per
-// stage, ST = pipeline stages.
+// BT = tokens per tile (routes per expert are padded to it), chosen per call from the expected
+// routes per expert (see expertd_pick_bt). Per GEMM: WM = m-tiles (16 weight rows) per warp,
+// NW = warps along rows, NK = warps splitting each stage's k-groups (split-K inside the block),
+// KG = 64-k groups per stage, ST = pipeline stages.
 //
-//  BT | GEMM1 (gate/up)   WM NW KG ST | GEMM2 (down)  WM NW KG ST | why
-//   8 |                    1  4  4  6 |                1  2  4  6 | decode: memory-bound, many
-//  16 |                    1  4  4  5 |                1  2  4  5 |   blocks and bytes in flight
-//  32 |                    1  4  2  4 |                1  4  2  4 | middle
-//  64 |                    2  4  2  4 |                2  4  2  4 | prefill: reuse each dequant
+//   BT | GEMM1 (gate/up) WM NW NK KG ST | GEMM2 (down) WM NW NK KG ST | why
+//    8 |                  1  4  4  4  6 |               1  2  8  8  4 | decode: one expert hit must
+//   16 |                  1  4  4  4  6 |               1  2  8  8  4 |   still fill 132 SMs with
+//      |                                |                             |   16 warps each (v1 had 4)
+//   32 |                  1  4  2  2  5 |               1  2  4  4  4 | middle
+//   64 |                  1  4  2  2  4 |               1  4  2  2  4 | one dequant feeds BT/8 MMAs
+//  128 |                  1  4  2  2  3 |               1  4  2  2  3 | prefill: fewest re-dequants
 // ---------------------------------------------------------------------------------------------
-#define EXPERTD_FOR_EACH_CONFIG(X) \
-  X(8, 1, 4, 4, 6, 1, 2, 4, 6)     \
-  X(16, 1, 4, 4, 5, 1, 2, 4, 5)    \
-  X(32, 1, 4, 2, 4, 1, 4, 2, 4)    \
-  X(64, 2, 4, 2, 4, 2, 4, 2, 4)
+#define EXPERTD_FOR_EACH_CONFIG(X)           \
+  X(8, 1, 4, 4, 4, 6, 1, 2, 8, 8, 4)          \
+  X(16, 1, 4, 4, 4, 6, 1, 2, 8, 8, 4)         \
+  X(32, 1, 4, 2, 2, 5, 1, 2, 4, 4, 4)         \
+  X(64, 1, 4, 2, 2, 4, 1, 4, 2, 2, 4)         \
+  X(128, 1, 4, 2, 2, 3, 1, 4, 2, 2, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -219,77 +224,114 @@ struct GemmArgs {
   int pcap;
 };
 
-template <int BT, int WM, int NW, int KG, int ST>
+template <int BT, int WM, int NW, int NK, int KG, int ST>
 struct GemmShape {
-  static constexpr int kThreads = NW * 32;
+  static constexpr int kWarps = NW * NK;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kBK = 64 * KG;
   static constexpr int kMTiles = NW * WM;                 // m-tiles per block
   static constexpr int kWBytes = kMTiles * KG * 512;      // codes per stage
   static constexpr int kSBytes = kMTiles * KG * 64;       // scales per stage
   static constexpr int kABytes = BT * kBK * 2;            // activations per stage
   static constexpr int kStageBytes = kWBytes + kSBytes + kABytes;
+  static constexpr int kRedBytes = (NK - 1) * NW * WM * (BT / 8) * 4 * 32 * 4;
   static constexpr int kSmemBytes = kStageBytes * ST;
+  static constexpr int kWChunks = kWBytes / 16, kSChunks = kSBytes / 16, kAChunks = kABytes / 16;
+  static constexpr int kWPer = (kWChunks + kThreads - 1) / kThreads;  // 16-B copies per thread
+  static constexpr int kSPer = (kSChunks + kThreads - 1) / kThreads;
+  static constexpr int kAPer = (kAChunks + kThreads - 1) / kThreads;
   static_assert(BT % 8 == 0, "BT is a multiple of the MMA's n = 8");
   static_assert(kBK >= 64, "the activation swizzle needs 8 chunks per row");
+  static_assert(KG % NK == 0, "each k-warp takes KG / NK groups of every stage");
+  static_assert(kRedBytes <= kSmemBytes, "the split-K reduction reuses the pipeline memory");
 };
 
-template <int BT, int WM, int NW, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NW * 32) moe_gemm_kernel(const GemmArgs a) {
-  using S = GemmShape<BT, WM, NW, KG, ST>;
+// One block = NW x NK warps: warp (wm, wk) owns m-tiles wm*WM.. and k-groups kg = wk, wk+NK, ...
+// of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
+// the NK partial accumulators are summed through shared memory at the end in a fixed order.
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
+  using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
+  constexpr int T = S::kThreads;
   const int tile = blockIdx.x;
   if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
   const int mt0 = blockIdx.y * S::kMTiles;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wm = warp % NW, wk = warp / NW;
   const int kt_count = a.k / S::kBK;
   const int kg_count = a.k / 64;
 
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ long long row_off[BT];  // element offset of each token row in act_in, -1 = padding
   __shared__ float red[NW][BT];
 
-  for (int i = threadIdx.x; i < BT; i += S::kThreads) {
-    const int pos = tile * BT + i;
-    if constexpr (GATED) {
-      const int r = a.sorted_route[pos];
-      row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
-    } else {
-      row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
-    }
-  }
-  __syncthreads();
-
+  // Per-thread copy sources, fixed for the whole K loop (stage kt adds kt * stage stride).
   const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
   const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 4;
+  const uint4* wsrc[S::kWPer];
+  const uint4* ssrc[S::kSPer];
+  const uint16_t* asrc[S::kAPer];
+  uint32_t avalid = 0;
+#pragma unroll
+  for (int i = 0; i < S::kWPer; ++i) {
+    const int c = tid + i * T;
+    const int m = c / (KG * 32), rem = c % (KG * 32);
+    wsrc[i] = codes_e + static_cast<long long>(m) * kg_count * 32 + rem;
+  }
+#pragma unroll
+  for (int i = 0; i < S::kSPer; ++i) {
+    const int c = tid + i * T;
+    const int m = c / (KG * 4), rem = c % (KG * 4);
+    ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 4 + rem;
+  }
+  constexpr int kChunksPerRow = S::kBK / 8;
+#pragma unroll
+  for (int i = 0; i < S::kAPer; ++i) {
+    const int c = tid + i * T;
+    const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
+    long long ro = -1;
+    if (c < S::kAChunks) {
+      const int pos = tile * BT + row;
+      if constexpr (GATED) {
+        const int r = a.sorted_route[pos];
+        ro = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
+      } else {
+        ro = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
+      }
+    }
+    if (ro >= 0) avalid |= 1u << i;
+    asrc[i] = a.act_in + (ro >= 0 ? ro : 0) + ch * 8;
+  }
 
   auto load_stage = [&](int slot, int kt) {
     uint8_t* base = smem + slot * S::kStageBytes;
     const uint32_t w_s = smem_addr(base);
     const uint32_t s_s = smem_addr(base + S::kWBytes);
     const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
-    const int kg0 = kt * KG;
 #pragma unroll
-    for (int c = threadIdx.x; c < S::kMTiles * KG * 32; c += S::kThreads) {
-      const int m = c / (KG * 32), rem = c % (KG * 32);
-      cp_async16(w_s + c * 16, codes_e + (static_cast<long long>(m) * kg_count + kg0) * 32 + rem,
-                 16);
+    for (int i = 0; i < S::kWPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kWChunks % T == 0 || c < S::kWChunks)
+        cp_async16(w_s + c * 16, wsrc[i] + kt * (KG * 32), 16);
     }
 #pragma unroll
-    for (int c = threadIdx.x; c < S::kMTiles * KG * 4; c += S::kThreads) {
-      const int m = c / (KG * 4), rem = c % (KG * 4);
-      cp_async16(s_s + c * 16, scales_e + (static_cast<long long>(m) * kg_count + kg0) * 4 + rem,
-                 16);
+    for (int i = 0; i < S::kSPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kSChunks % T == 0 || c < S::kSChunks)
+        cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 4), 16);
     }
-    constexpr int kChunksPerRow = S::kBK / 8;
 #pragma unroll
-    for (int c = threadIdx.x; c < BT * kChunksPerRow; c += S::kThreads) {
-      const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
-      const long long ro = row_off[row];
-      const uint16_t* src = a.act_in + (ro >= 0 ? ro : 0) + kt * S::kBK + ch * 8;
-      const int phys = (ch & ~7) | ((ch ^ row) & 7);
-      cp_async16(a_s + (row * kChunksPerRow + phys) * 16, src, ro >= 0 ? 16 : 0);
+    for (int i = 0; i < S::kAPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kAChunks % T == 0 || c < S::kAChunks) {
+        const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
+        const int phys = (ch & ~7) | ((ch ^ row) & 7);
+        cp_async16(a_s + (row * kChunksPerRow + phys) * 16, asrc[i] + kt * S::kBK,
+                   (avalid >> i) & 1 ? 16 : 0);
+      }
     }
   };
 
@@ -321,43 +363,43 @@ __global__ void __launch_bounds__(NW * 32) moe_gemm_kernel(const GemmArgs a) {
     const uint8_t* s_s = base + S::kWBytes;
     const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
 #pragma unroll
-    for (int kg = 0; kg < KG; ++kg) {
-      uint4 q[WM];
-      uint2 sc[WM];
+    for (int kgi = 0; kgi < KG / NK; ++kgi) {
+      const int kg = kgi * NK + wk;
+      // Dequantize this warp's A fragments for the 4 k-steps of the group (16 regs per m-tile).
+      uint32_t af[WM][4][4];
 #pragma unroll
       for (int w = 0; w < WM; ++w) {
-        const int m = warp * WM + w;
-        q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
-        sc[w] = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
+        const int m = wm * WM + w;
+        const uint4 q = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
+        const uint2 sc = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          const uint32_t word = words[ks];
+          const uint32_t sword = ks < 2 ? sc.x : sc.y;
+          const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
+              static_cast<uint16_t>((ks & 1) ? (sword >> 16) : (sword & 0xFFFFu)));
+          const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
+          const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
+          af[w][ks][0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
+          af[w][ks][1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
+          af[w][ks][2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
+          af[w][ks][3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
+        }
       }
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        uint32_t b[NT][4];
+      for (int n = 0; n < NT; ++n) {
+        const int row = n * 8 + (lane & 7);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const int row = n * 8 + (lane & 7);
+        for (int p = 0; p < 2; ++p) {
           const int ch = kg * 8 + p * 4 + (lane >> 3);
           const int phys = (ch & ~7) | ((ch ^ row) & 7);
-          ldmatrix_x4(a_s + (row * (S::kBK / 8) + phys) * 16, b[n][0], b[n][1], b[n][2], b[n][3]);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int ks = p * 2 + h;
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4(a_s + (row * kChunksPerRow + phys) * 16, b0, b1, b2, b3);
 #pragma unroll
           for (int w = 0; w < WM; ++w) {
-            const uint32_t word = ks == 0 ? q[w].x : ks == 1 ? q[w].y : ks == 2 ? q[w].z : q[w].w;
-            const uint32_t sword = ks < 2 ? sc[w].x : sc[w].y;
-            const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
-                static_cast<uint16_t>((ks & 1) ? (sword >> 16) : (sword & 0xFFFFu)));
-            const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
-            const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
-            uint32_t af[4];
-            af[0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
-            af[1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
-            af[2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
-            af[3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
-#pragma unroll
-            for (int n = 0; n < NT; ++n) mma_bf16(acc[w][n], af, b[n][h * 2], b[n][h * 2 + 1]);
+            mma_bf16(acc[w][n], af[w][2 * p], b0, b1);
+            mma_bf16(acc[w][n], af[w][2 * p + 1], b2, b3);
           }
         }
       }
@@ -365,15 +407,46 @@ __global__ void __launch_bounds__(NW * 32) moe_gemm_kernel(const GemmArgs a) {
   }
   cp_async_wait<0>();
 
+  // Split-K: k-warps 1..NK-1 hand their partial sums to k-warp 0 through the (now idle)
+  // pipeline memory; summed in a fixed order, so results do not depend on timing.
+  if constexpr (NK > 1) {
+    __syncthreads();
+    float* rbuf = reinterpret_cast<float*>(smem);
+    constexpr int kPerWarp = WM * NT * 4;
+    if (wk > 0) {
+#pragma unroll
+      for (int w = 0; w < WM; ++w)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            rbuf[(((wk - 1) * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane] =
+                acc[w][n][c];
+    }
+    __syncthreads();
+    if (wk == 0) {
+#pragma unroll
+      for (int j = 0; j < NK - 1; ++j)
+#pragma unroll
+        for (int w = 0; w < WM; ++w)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              acc[w][n][c] += rbuf[((j * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane];
+    }
+  }
+
   // ------------------------------------ epilogue ----------------------------------------------
   const int t4 = lane & 3;
   if constexpr (GATED) {
+    if (wk != 0) return;  // no barrier follows
     const float gs_gate = a.gscale[2 * e] * kScaleShift;
     const float gs_up = a.gscale[2 * e + 1] * kScaleShift;
     const int n_out = a.mt * 8;  // I
 #pragma unroll
     for (int w = 0; w < WM; ++w) {
-      const int col = (mt0 + warp * WM + w) * 8 + g;
+      const int col = (mt0 + wm * WM + w) * 8 + g;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
@@ -384,42 +457,44 @@ __global__ void __launch_bounds__(NW * 32) moe_gemm_kernel(const GemmArgs a) {
       }
     }
   } else {
-    const float gs = a.gscale[e] * kScaleShift;
-    const int n_out = a.mt * 16;  // H
-    float ss[NT][2];
+    if (wk == 0) {
+      const float gs = a.gscale[e] * kScaleShift;
+      const int n_out = a.mt * 16;  // H
+      float ss[NT][2];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) ss[n][0] = ss[n][1] = 0.0f;
+      for (int n = 0; n < NT; ++n) ss[n][0] = ss[n][1] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WM; ++w) {
-      const int row = (mt0 + warp * WM + w) * 16 + g;
-      const float f_lo = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row]));
-      const float f_hi = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row + 8]));
+      for (int w = 0; w < WM; ++w) {
+        const int row = (mt0 + wm * WM + w) * 16 + g;
+        const float f_lo = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row]));
+        const float f_hi = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row + 8]));
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
-        const float z0 = acc[w][n][0] * f_lo, z1 = acc[w][n][1] * f_lo;
-        const float z2 = acc[w][n][2] * f_hi, z3 = acc[w][n][3] * f_hi;
-        a.out[pos * n_out + row] = to_bf16_bits(z0);
-        a.out[(pos + 1) * n_out + row] = to_bf16_bits(z1);
-        a.out[pos * n_out + row + 8] = to_bf16_bits(z2);
-        a.out[(pos + 1) * n_out + row + 8] = to_bf16_bits(z3);
-        ss[n][0] += z0 * z0 + z2 * z2;
-        ss[n][1] += z1 * z1 + z3 * z3;
+        for (int n = 0; n < NT; ++n) {
+          const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
+          const float z0 = acc[w][n][0] * f_lo, z1 = acc[w][n][1] * f_lo;
+          const float z2 = acc[w][n][2] * f_hi, z3 = acc[w][n][3] * f_hi;
+          a.out[pos * n_out + row] = to_bf16_bits(z0);
+          a.out[(pos + 1) * n_out + row] = to_bf16_bits(z1);
+          a.out[pos * n_out + row + 8] = to_bf16_bits(z2);
+          a.out[(pos + 1) * n_out + row + 8] = to_bf16_bits(z3);
+          ss[n][0] += z0 * z0 + z2 * z2;
+          ss[n][1] += z1 * z1 + z3 * z3;
+        }
       }
+      // Sum over the 8 row groups g (lanes with equal t4), then over warps in a fixed order.
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float v = ss[n][c];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (g == 0) red[wm][n * 8 + 2 * t4 + c] = v;
+        }
     }
-    // Sum over the 8 row groups g (lanes with equal t4), then over warps in a fixed order.
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float v = ss[n][c];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) red[warp][n * 8 + 2 * t4 + c] = v;
-      }
     __syncthreads();
-    for (int i = threadIdx.x; i < BT; i += S::kThreads) {
+    for (int i = tid; i < BT; i += T) {
       float v = 0.0f;
 #pragma unroll
       for (int w = 0; w < NW; ++w) v += red[w][i];
@@ -507,14 +582,14 @@ struct Plan {
 };
 
 int g2_rows_for(int bt) {
-#define EXPERTD_G2ROWS(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
+#define EXPERTD_G2ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (bt == BT) return 16 * W2 * N2;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_G2ROWS)
 #undef EXPERTD_G2ROWS
   return 0;
 }
 int g1_rows_for(int bt) {
-#define EXPERTD_G1ROWS(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
+#define EXPERTD_G1ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (bt == BT) return 16 * W1 * N1;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_G1ROWS)
 #undef EXPERTD_G1ROWS
@@ -564,13 +639,14 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
-template <int BT, int W1, int N1, int K1, int S1, int W2, int N2, int K2, int S2>
+template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
+          int S2>
 int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
                  cudaStream_t stream) {
-  using Sh1 = GemmShape<BT, W1, N1, K1, S1>;
-  using Sh2 = GemmShape<BT, W2, N2, K2, S2>;
-  auto k1 = moe_gemm_kernel<BT, W1, N1, K1, S1, true>;
-  auto k2 = moe_gemm_kernel<BT, W2, N2, K2, S2, false>;
+  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
+  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
+  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   if (t_max == 0) return 0;
   dim3 grid1(t_max, (2 * inter / 16) / Sh1::kMTiles);
   k1<<<grid1, Sh1::kThreads, Sh1::kSmemBytes, stream>>>(g1);
@@ -580,12 +656,13 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int i
   return check_launch("moe_gemm (down)");
 }
 
-template <int BT, int W1, int N1, int K1, int S1, int W2, int N2, int K2, int S2>
+template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
+          int S2>
 int set_smem_attrs() {
-  using Sh1 = GemmShape<BT, W1, N1, K1, S1>;
-  using Sh2 = GemmShape<BT, W2, N2, K2, S2>;
-  auto k1 = moe_gemm_kernel<BT, W1, N1, K1, S1, true>;
-  auto k2 = moe_gemm_kernel<BT, W2, N2, K2, S2, false>;
+  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
+  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
+  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   if (cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh1::kSmemBytes) !=
           cudaSuccess ||
       cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh2::kSmemBytes) !=
@@ -628,19 +705,21 @@ struct ExpertdMoeArgs {
 
 const char* expertd_last_error(void) { return g_error; }
 
-// Tokens per tile for a call: expected routes per expert, rounded up to a compiled BT.
+// Tokens per tile for a call: routes per hit expert are about Poisson(lambda = M * top_k / E);
+// take the smallest compiled BT >= lambda + 2.5 sqrt(lambda), so most experts need one tile
+// (each extra tile dequantizes the expert's weights again).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
-  const double per_expert = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (per_expert <= 8) return 8;
-  if (per_expert <= 16) return 16;
-  if (per_expert <= 32) return 32;
-  return 64;
+  const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
+  const double want = lambda + 2.5 * sqrt(lambda);
+  for (int bt : {8, 16, 32, 64})
+    if (want <= bt) return bt;
+  return 128;
 }
 
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 32, 64}) {
+  for (int bt : {8, 16, 32, 64, 128}) {
     Plan p = make_plan(m, top_k, h, el, bt);
     Carve c = carve(nullptr, p, m, top_k, h, inter);
     if (c.bytes > best) best = c.bytes;
@@ -651,8 +730,8 @@ long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int 
 // Raise the dynamic shared-memory limit of every compiled GEMM (call once per device, outside
 // graph capture).
 int expertd_init(void) {
-#define EXPERTD_INIT(BT, W1, N1, K1, S1, W2, N2, K2, S2) \
-  if (int rc = set_smem_attrs<BT, W1, N1, K1, S1, W2, N2, K2, S2>()) return rc;
+#define EXPERTD_INIT(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
+  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) return rc;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
 #undef EXPERTD_INIT
   return 0;
@@ -666,7 +745,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
-  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64)");
+  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64, 128)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
@@ -711,9 +790,9 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
 
   int rc = 0;
-#define EXPERTD_DISPATCH(BT, W1, N1, K1, S1, W2, N2, K2, S2)                                 \
+#define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                                 \
   if (bt == BT)                                                                              \
-    rc = launch_gemms<BT, W1, N1, K1, S1, W2, N2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, \
                                                          stream);
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
