@@ -19,18 +19,18 @@ EXPERTD_KERNEL_VERBOSE=1 python3 -m expertd.kernels.build >"$OUT/build.log" 2>&1
   || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
 summary+=("build: ok ($(tail -1 "$OUT/build.log"))")
 
-if [[ $what == all || $what == tests ]]; then
+if [[ $what == all || $what == *tests* ]]; then
   timeout ${T_TESTS:-240} python3 -m pytest -q -s --noconftest -p no:cacheprovider -m cuda tests/test_cuda_kernels.py >"$OUT/tests.log" 2>&1
   rc=$?
   grep -E "rel err" "$OUT/tests.log" | sort -t' ' -k1,1 | tail -40
   tail -15 "$OUT/tests.log"
   summary+=("gpu tests: rc=$rc $(tail -1 "$OUT/tests.log")")
 fi
-if [[ $what == all || $what == bench ]]; then
+if [[ $what == all || $what == *bench* ]]; then
   timeout ${T_BENCH:-240} python3 benchmarks/kernel.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -22
   summary+=("bench: rc=$?")
 fi
-if [[ $what == all || $what == sanitize ]]; then
+if [[ $what == all || $what == *sanitize* ]]; then
   for tool in memcheck racecheck; do
     timeout ${T_SAN:-90} compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \
       >"$OUT/sanitize-$tool.log" 2>&1
