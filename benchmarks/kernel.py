@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
     ap.add_argument("--kind", default="nvidia-h200")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -185,8 +186,19 @@ def main() -> int:
             graphs.append(g)
         t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
         torch.cuda.synchronize()
+        # Every compiled tile size on the first input set (graph replay): data for the BT pick.
+        bt_us = {}
+        if m <= args.bt_sweep_max:
+            for bt in (8, 16, 32, 64):
+                g = GraphedForward(backend, state, m, TOP_K, bt=bt)
+                g.x.copy_(sets[0][0])
+                g.topk_ids.copy_(sets[0][1])
+                g.topk_weights.copy_(sets[0][2])
+                bt_us[bt] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
+                del g
         row = {
             "M": m,
+            "bt_us": bt_us,
             "hit_experts": hit,
             "local_routes": local_routes,
             "floor_us": floor * 1e6,
@@ -268,6 +280,12 @@ def main() -> int:
                 f" {r['rel_err_vs_baseline']:>8.1e}"
             )
         print(line)
+    sweep = [r for r in rows if r["bt_us"]]
+    if sweep:
+        print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
+        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in (8, 16, 32, 64)))
+        for r in sweep:
+            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in (8, 16, 32, 64)))
     return 0
 
 

@@ -272,7 +272,9 @@ class GraphedForward:
     (or use `__call__`, which does the copies).
     """
 
-    def __init__(self, backend: CudaBackend, state: CudaState, m: int, top_k: int) -> None:
+    def __init__(
+        self, backend: CudaBackend, state: CudaState, m: int, top_k: int, bt: int = 0
+    ) -> None:
         dev = backend.device
         self.x = torch.zeros((m, state.hidden_size), dtype=torch.bfloat16, device=dev)
         self.topk_ids = torch.full((m, top_k), -1, dtype=torch.int32, device=dev)
@@ -282,11 +284,11 @@ class GraphedForward:
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # warm-up outside the capture
-            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out)
+            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out, bt)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=stream):
-            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out)
+            backend.forward_into(state, self.x, self.topk_ids, self.topk_weights, self.out, bt)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()

@@ -60,19 +60,21 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // KG = 64-k groups per stage, ST = pipeline stages.
 //
 //   BT | GEMM1 (gate/up) WM NW NK KG ST | GEMM2 (down) WM NW NK KG ST | why
-//    8 |                  1  4  4  4  6 |               1  2  8  8  4 | decode: one expert hit must
-//   16 |                  1  4  4  4  6 |               1  2  8  8  4 |   still fill 132 SMs with
-//      |                                |                             |   16 warps each (v1 had 4)
-//   32 |                  1  4  2  2  5 |               1  2  4  4  4 | middle
-//   64 |                  1  4  2  2  4 |               1  4  2  2  4 | one dequant feeds BT/8 MMAs
-//  128 |                  1  4  2  2  3 |               1  4  2  2  3 | prefill: fewest re-dequants
+//    8 |                  1  4  4  4  6 |               1  2  4  4  6 | decode: one expert hit must
+//   16 |                  1  4  4  4  6 |               1  2  4  4  6 |   still fill 132 SMs with
+//      |                                |                             |   many warps (v1 had 4/SM)
+//   32 |                  1  4  2  2  5 |               1  4  2  2  5 | middle
+//   64 |                  2  4  1  2  4 |               2  4  1  2  4 | WM = 2: one ldmatrix of B
+//      |                                |                             |   feeds 4 MMAs
+// Tried and dropped: BT = 128 with WM = 1 (2 MMAs per ldmatrix: slower than BT = 64 above at
+// every M) and with WM = 2 (255 registers, spills).
+// KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
 // ---------------------------------------------------------------------------------------------
 #define EXPERTD_FOR_EACH_CONFIG(X)           \
-  X(8, 1, 4, 4, 4, 6, 1, 2, 8, 8, 4)          \
-  X(16, 1, 4, 4, 4, 6, 1, 2, 8, 8, 4)         \
-  X(32, 1, 4, 2, 2, 5, 1, 2, 4, 4, 4)         \
-  X(64, 1, 4, 2, 2, 4, 1, 4, 2, 2, 4)         \
-  X(128, 1, 4, 2, 2, 3, 1, 4, 2, 2, 3)
+  X(8, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)          \
+  X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)         \
+  X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
+  X(64, 2, 4, 1, 2, 4, 2, 4, 1, 2, 4)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -267,14 +269,15 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float red[NW][BT];
+  __shared__ long long row_off[BT];  // element offset of each token row in act_in, -1 = padding
 
   // Per-thread copy sources, fixed for the whole K loop (stage kt adds kt * stage stride).
   const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
   const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 4;
   const uint4* wsrc[S::kWPer];
   const uint4* ssrc[S::kSPer];
-  const uint16_t* asrc[S::kAPer];
-  uint32_t avalid = 0;
+  constexpr int kChunksPerRow = S::kBK / 8;
+  static_assert(T % kChunksPerRow == 0, "a thread copies one fixed chunk column of rows");
 #pragma unroll
   for (int i = 0; i < S::kWPer; ++i) {
     const int c = tid + i * T;
@@ -287,24 +290,18 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
     const int m = c / (KG * 4), rem = c % (KG * 4);
     ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 4 + rem;
   }
-  constexpr int kChunksPerRow = S::kBK / 8;
-#pragma unroll
-  for (int i = 0; i < S::kAPer; ++i) {
-    const int c = tid + i * T;
-    const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
-    long long ro = -1;
-    if (c < S::kAChunks) {
-      const int pos = tile * BT + row;
-      if constexpr (GATED) {
-        const int r = a.sorted_route[pos];
-        ro = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
-      } else {
-        ro = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
-      }
+  for (int i = tid; i < BT; i += T) {
+    const int pos = tile * BT + i;
+    if constexpr (GATED) {
+      const int r = a.sorted_route[pos];
+      row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
+    } else {
+      row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
     }
-    if (ro >= 0) avalid |= 1u << i;
-    asrc[i] = a.act_in + (ro >= 0 ? ro : 0) + ch * 8;
   }
+  __syncthreads();
+  const int a_ch = tid % kChunksPerRow;  // this thread's 16-byte column of every row it copies
+  const int a_row0 = tid / kChunksPerRow;
 
   auto load_stage = [&](int slot, int kt) {
     uint8_t* base = smem + slot * S::kStageBytes;
@@ -323,14 +320,15 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
       if (S::kSChunks % T == 0 || c < S::kSChunks)
         cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 4), 16);
     }
+    constexpr int kRowsPerPass = T / kChunksPerRow;
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
-      const int c = tid + i * T;
-      if (S::kAChunks % T == 0 || c < S::kAChunks) {
-        const int row = c / kChunksPerRow, ch = c % kChunksPerRow;
-        const int phys = (ch & ~7) | ((ch ^ row) & 7);
-        cp_async16(a_s + (row * kChunksPerRow + phys) * 16, asrc[i] + kt * S::kBK,
-                   (avalid >> i) & 1 ? 16 : 0);
+      const int row = a_row0 + i * kRowsPerPass;
+      if (S::kAChunks % T == 0 || row < BT) {
+        const long long ro = row_off[row];
+        const int phys = (a_ch & ~7) | ((a_ch ^ row) & 7);
+        cp_async16(a_s + (row * kChunksPerRow + phys) * 16,
+                   a.act_in + (ro >= 0 ? ro : 0) + kt * S::kBK + a_ch * 8, ro >= 0 ? 16 : 0);
       }
     }
   };
@@ -365,41 +363,45 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 #pragma unroll
     for (int kgi = 0; kgi < KG / NK; ++kgi) {
       const int kg = kgi * NK + wk;
-      // Dequantize this warp's A fragments for the 4 k-steps of the group (16 regs per m-tile).
-      uint32_t af[WM][4][4];
+      uint4 q[WM];
+      uint2 sc[WM];
 #pragma unroll
       for (int w = 0; w < WM; ++w) {
         const int m = wm * WM + w;
-        const uint4 q = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
-        const uint2 sc = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
-        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          const uint32_t word = words[ks];
-          const uint32_t sword = ks < 2 ? sc.x : sc.y;
-          const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
-              static_cast<uint16_t>((ks & 1) ? (sword >> 16) : (sword & 0xFFFFu)));
-          const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
-          const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
-          af[w][ks][0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
-          af[w][ks][1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
-          af[w][ks][2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
-          af[w][ks][3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
-        }
+        q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
+        sc[w] = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
       }
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const int row = n * 8 + (lane & 7);
+      for (int p = 0; p < 2; ++p) {
+        // Dequantize this warp's A fragments for k-steps 2p, 2p+1 (8 registers per m-tile).
+        uint32_t af[WM][2][4];
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
+        for (int w = 0; w < WM; ++w) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t word = p == 0 ? (h == 0 ? q[w].x : q[w].y) : (h == 0 ? q[w].z : q[w].w);
+            const uint32_t sword = p == 0 ? sc[w].x : sc[w].y;
+            const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
+                static_cast<uint16_t>(h ? (sword >> 16) : (sword & 0xFFFFu)));
+            const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
+            const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
+            af[w][h][0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
+            af[w][h][1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
+            af[w][h][2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
+            af[w][h][3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int row = n * 8 + (lane & 7);
           const int ch = kg * 8 + p * 4 + (lane >> 3);
           const int phys = (ch & ~7) | ((ch ^ row) & 7);
           uint32_t b0, b1, b2, b3;
           ldmatrix_x4(a_s + (row * kChunksPerRow + phys) * 16, b0, b1, b2, b3);
 #pragma unroll
           for (int w = 0; w < WM; ++w) {
-            mma_bf16(acc[w][n], af[w][2 * p], b0, b1);
-            mma_bf16(acc[w][n], af[w][2 * p + 1], b2, b3);
+            mma_bf16(acc[w][n], af[w][0], b0, b1);
+            mma_bf16(acc[w][n], af[w][1], b2, b3);
           }
         }
       }
@@ -648,6 +650,8 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int i
   auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
   auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   if (t_max == 0) return 0;
+  if (h % Sh1::kBK || inter % Sh2::kBK)
+    return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   dim3 grid1(t_max, (2 * inter / 16) / Sh1::kMTiles);
   k1<<<grid1, Sh1::kThreads, Sh1::kSmemBytes, stream>>>(g1);
   if (int rc = check_launch("moe_gemm (gate/up)")) return rc;
@@ -711,15 +715,15 @@ const char* expertd_last_error(void) { return g_error; }
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   const double want = lambda + 2.5 * sqrt(lambda);
-  for (int bt : {8, 16, 32, 64})
+  for (int bt : {8, 16, 32})
     if (want <= bt) return bt;
-  return 128;
+  return 64;
 }
 
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 32, 64, 128}) {
+  for (int bt : {8, 16, 32, 64}) {
     Plan p = make_plan(m, top_k, h, el, bt);
     Carve c = carve(nullptr, p, m, top_k, h, inter);
     if (c.bytes > best) best = c.bytes;
@@ -745,7 +749,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
-  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64, 128)");
+  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
