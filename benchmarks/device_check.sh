@@ -39,5 +39,15 @@ if [[ $what == all || $what == *sanitize* ]]; then
     summary+=("$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)")
   done
 fi
+if [[ $what == *profile* ]]; then
+  # Per-kernel speed-of-light, occupancy and stall reasons at M = 1 and M = 256 (ncu reads the
+  # counters on Firecracker machines; clocks left alone).
+  timeout ${T_PROF:-200} ncu --clock-control none --kernel-name regex:"moe_gemm|route_kernel|finalize" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/profile_case.py ${PROFILE_MS:-1 256} \
+    >"$OUT/ncu.log" 2>&1
+  summary+=("profile: rc=$? (ncu.log)")
+  grep -E "moe_gemm|route_kernel|finalize|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Issue Slots|No Eligible|Stall" "$OUT/ncu.log" | head -150
+fi
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
