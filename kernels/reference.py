@@ -62,12 +62,24 @@ def reference_forward(
     topk_weights: torch.Tensor,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The oracle: dequantize in `dtype` and evaluate SPEC section 3; returns [M, H] in `dtype`."""
-    w13, w2, norm = dense_weights(layer, dtype)
-    local_of = layer.global_to_local(x.device)
-    return moe_forward_dense(
-        w13.to(x.device), w2.to(x.device), norm, local_of, x, topk_ids, topk_weights
-    )
+    """The oracle: evaluate SPEC section 3 in `dtype` (dequantizing only the experts
+    the call hits); returns [M, H] in `dtype`."""
+    local_of = layer.global_to_local("cpu")
+    slots = local_of.long()[topk_ids.cpu().long() % local_of.numel()]
+    hit = torch.unique(slots[slots >= 0])  # [Eh] local slots the call uses
+    # Re-number the hit slots 0..Eh-1, so only those experts are dequantized.
+    renumber = torch.full((layer.num_local_experts + 1,), -1, dtype=torch.int32)  # [El + 1]
+    renumber[hit] = torch.arange(hit.numel(), dtype=torch.int32)
+    compact = renumber[local_of.long()]  # [E + 1]; -1 (index El) stays -1
+
+    def pick(w):
+        return type(w)(w.weight[hit], w.weight_scale[hit], w.weight_scale_2[hit]).dequantize(dtype)
+
+    dev = x.device
+    w13 = torch.cat((pick(layer.gate), pick(layer.up)), dim=1).to(dev)
+    w2 = pick(layer.down).to(dev)
+    norm = layer.norm_weight.to(dtype)
+    return moe_forward_dense(w13, w2, norm, compact.to(dev), x, topk_ids, topk_weights)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -18,7 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expertd.server.bank import ExpertBank, WeightSource
+from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
+from expertd.server.metrics import Metrics
+from expertd.server.security import BearerAuthInterceptor, server_credentials
 from expertd.server.service import ExpertServicer
 from expertd.server.validate import Limits
 from expertd.v1 import expertd_pb2 as pb
@@ -38,6 +41,8 @@ class RunningServer:
     health: health.aio.HealthServicer
     address: str  # host:port actually bound (or the unix: address)
     port: int
+    metrics: Metrics
+    metrics_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
@@ -53,7 +58,8 @@ class RunningServer:
         self.servicer.draining = True
         await self.set_serving(False)
         await self.server.stop(grace_s)
-        self.servicer.close()
+        await self.servicer.close()
+        self.metrics.close()
 
 
 def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list[tuple[str, int]]]:
@@ -68,22 +74,48 @@ def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list
     return limits, options
 
 
+def batch_policy(config: ServerConfig) -> BatchPolicy:
+    return BatchPolicy(
+        window_s=config.batch_window_us / 1e6,
+        max_batch_tokens=max(config.max_batch_tokens, config.max_tokens),
+        max_queue_requests=config.max_queue_requests,
+        max_queue_tokens=max(config.max_queue_tokens, config.max_tokens),
+    )
+
+
 async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     """Bind and start answering (health NOT_SERVING until a bank is attached)."""
     limits, options = message_limits(config, hidden_size)
-    server = grpc.aio.server(options=options)
-    servicer = ExpertServicer(limits, config.shard, config.num_shards)
+    interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    metrics = Metrics()
+    servicer = ExpertServicer(
+        limits,
+        batch_policy(config),
+        metrics,
+        config.shard,
+        config.num_shards,
+        max_inflight=config.max_inflight,
+    )
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(config.listen)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if credentials is None:
+        port = server.add_insecure_port(config.listen)
+    else:
+        port = server.add_secure_port(config.listen, credentials)
     if port == 0 and not config.listen.startswith("unix:"):
         raise OSError(f"could not bind {config.listen}")
     await server.start()
-    running = RunningServer(server, servicer, health_servicer, _bound(config.listen, port), port)
+    running = RunningServer(
+        server, servicer, health_servicer, _bound(config.listen, port), port, metrics
+    )
+    if config.metrics_port is not None:
+        running.metrics_port = metrics.serve(config.metrics_port)
     await running.set_serving(False)
     return running
 
@@ -125,7 +157,13 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
     """The `expertd serve` main loop; returns the process exit code."""
     source = WeightSource(config)
     running = await start(config, source.shape[0])
-    log.info("listening on %s (loading %s)", running.address, config.source())
+    log.info(
+        "listening on %s%s (loading %s)%s",
+        running.address,
+        " with TLS" if config.tls_cert else "",
+        config.source(),
+        f"; metrics on :{running.metrics_port}" if running.metrics_port is not None else "",
+    )
     if on_listening is not None:
         on_listening(running.address)
     stop = asyncio.Event()

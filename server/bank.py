@@ -115,18 +115,9 @@ class ExpertBank:
     def has_layer(self, layer: int) -> bool:
         return layer in self._states
 
-    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
-        """CPU tensors in (validated), CPU bf16 [M, H] out: this shard's contribution."""
-        device = self.backend.device
-        if x.shape[0] == 0:
-            return torch.zeros((0, self.info.hidden_size), dtype=torch.bfloat16)
-        out = self.backend.forward(
-            self._states[layer],
-            x.to(device, non_blocking=True),
-            ids.to(device=device, dtype=torch.int32, non_blocking=True),
-            w.to(device=device, dtype=torch.float32, non_blocking=True),
-        )
-        return out.to("cpu")
+    def state(self, layer: int):
+        """The backend's resident state of `layer`."""
+        return self._states[layer]
 
 
 def _default_progress() -> Callable[[str], None]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -26,9 +26,21 @@ class ServerConfig:
     # Limits.
     max_tokens: int = 16384  # tokens per request
     max_top_k: int = 64  # routes per token
+    max_inflight: int = 512  # concurrent requests before RESOURCE_EXHAUSTED
+    max_queue_requests: int = 1024  # requests waiting for compute
+    max_queue_tokens: int = 65536  # tokens waiting for compute
     grace_s: float = 30.0  # drain time on SIGTERM
     torch_threads: int | None = None  # intra-op threads (None = torch's default)
-    model_name: str = field(default="")
+    # Batching: merge concurrent requests of one layer into one forward.
+    batch_window_us: int = 0  # extra wait for company (0: merge only what is already queued)
+    max_batch_tokens: int = 16384
+    # Security: bearer token (from a file or EXPERTD_AUTH_TOKEN), TLS from PEM files.
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: clients must present a certificate it signed
+    # Observability.
+    metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
 
     def source(self) -> str:
         if self.synthetic:

@@ -1,8 +1,9 @@
 """The expertd.v1.ExpertService servicer (grpc.aio).
 
-Requests are decoded on the event loop (a view over the received bytes, no
-copy); validation and the backend forward run on one compute thread, so the
-device sees one forward at a time and the loop stays free for I/O.
+A request is viewed over its received bytes, validated on a small prep pool
+(shape, dtype, ids: in parallel with compute), then queued on the batcher,
+which merges it with concurrent requests of the same layer and runs the forward
+on the one compute thread. The event loop only moves bytes.
 """
 
 from __future__ import annotations
@@ -16,65 +17,95 @@ import grpc
 import torch
 
 import expertd
-from expertd import wire
 from expertd.server.bank import ExpertBank
+from expertd.server.batcher import Batcher, BatchPolicy, Job
+from expertd.server.metrics import Metrics
 from expertd.server.validate import Limits, RequestError, parse_forward
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("expertd.server")
 
-STREAM_WINDOW = 64  # requests of one stream computed or queued at once
+STREAM_WINDOW = 64  # requests of one stream in flight at once
+
+
+def request_id_of(context, fallback: int = 0) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value
+    return str(fallback)
 
 
 class ExpertServicer(pb_grpc.ExpertServiceServicer):
-    def __init__(self, limits: Limits, shard_index: int = 0, num_shards: int = 1) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        policy: BatchPolicy,
+        metrics: Metrics,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        max_inflight: int = 512,
+    ) -> None:
         self.limits = limits
+        self.policy = policy
+        self.metrics = metrics
         self.bank: ExpertBank | None = None  # None while loading
+        self.batcher: Batcher | None = None
         self.draining = False
+        self.max_inflight = max_inflight
+        self._inflight = 0
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-compute")
+        self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
         self._instance = f"{time.time_ns():x}"
 
     def attach(self, bank: ExpertBank) -> None:
+        """Start serving `bank` (on the event loop's thread)."""
         self.bank = bank
+        self.batcher = Batcher(bank, self._compute, self.metrics, self.policy)
+        self.batcher.start()
+        self.metrics.resident_bytes.set(bank.resident_bytes)
+        self.metrics.watch_device(bank.backend.device)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
         self._compute.shutdown(wait=True)
+        self._prep.shutdown(wait=True)
 
-    # -- the work of one request -------------------------------------------------
-
-    def _check_ready(self) -> ExpertBank:
+    def _admit(self) -> ExpertBank:
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining")
         if self.bank is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
+        if self._inflight >= self.max_inflight:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many concurrent requests ({self._inflight}, limit {self.max_inflight})",
+            )
         return self.bank
 
-    def _run(
-        self, bank: ExpertBank, req: pb.ForwardRequest, received_ns: int, deadline: float | None
-    ):
-        """On the compute thread: validate, forward, encode. A call accepted before
-        draining began still completes here."""
-        if deadline is not None and time.monotonic() >= deadline:
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-        args = parse_forward(req, bank.info, self.limits, bank.has_layer)
-        started = time.perf_counter_ns()
-        with torch.inference_mode():
-            out = bank.forward(args.layer, args.x, args.ids, args.weights)
-        done = time.perf_counter_ns()
-        timing = pb.Timing(
-            queue_us=(started - received_ns) // 1000,
-            compute_us=(done - started) // 1000,
-            total_us=(done - received_ns) // 1000,
-        )
-        return pb.ForwardResponse(request_id=req.request_id, output=wire.encode(out), timing=timing)
-
     async def _forward(self, req: pb.ForwardRequest, deadline: float | None) -> pb.ForwardResponse:
+        """One request, admitted, validated, batched; raises RequestError."""
         received = time.perf_counter_ns()
-        bank = self._check_ready()  # new calls are refused while draining
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute, self._run, bank, req, received, deadline)
+        bank = self._admit()
+        self._inflight += 1
+        self.metrics.inflight.set(self._inflight)
+        try:
+            loop = asyncio.get_running_loop()
+            args = await loop.run_in_executor(
+                self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
+            )
+            job = Job(args, deadline, received, loop.create_future())
+            self.batcher.submit(job)
+            output, timing = await job.future
+            return pb.ForwardResponse(request_id=req.request_id, output=output, timing=timing)
+        finally:
+            self._inflight -= 1
+            self.metrics.inflight.set(self._inflight)
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        self.metrics.requests.labels(method, code.name).inc()
 
     # -- RPCs ------------------------------------------------------------------------
 
@@ -82,12 +113,24 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            return await self._forward(request, deadline)
+            reply = await self._forward(request, deadline)
         except RequestError as e:
+            self._count("Forward", e.code)
+            log.info(
+                "refused request %s: %s: %s",
+                request_id_of(context, request.request_id),
+                e.code.name,
+                e.message,
+                extra={"request_id": request_id_of(context, request.request_id)},
+            )
             await context.abort(e.code, e.message)
         except Exception:  # a bug of ours, never the client's fault: say so, keep serving
-            log.exception("forward failed (request_id=%d)", request.request_id)
+            self._count("Forward", grpc.StatusCode.INTERNAL)
+            rid = request_id_of(context, request.request_id)
+            log.exception("forward failed (request %s)", rid, extra={"request_id": rid})
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in forward")
+        self._count("Forward", grpc.StatusCode.OK)
+        return reply
 
     async def ForwardStream(self, request_iterator, context):
         results: asyncio.Queue = asyncio.Queue()
@@ -97,31 +140,35 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         async def one(req: pb.ForwardRequest) -> None:
             try:
                 resp = await self._forward(req, None)
+                self._count("ForwardStream", grpc.StatusCode.OK)
             except RequestError as e:
+                self._count("ForwardStream", e.code)
                 resp = pb.ForwardResponse(
                     request_id=req.request_id,
                     error=pb.Error(code=e.code.value[0], message=e.message),
                 )
             except Exception:
                 log.exception("stream forward failed (request_id=%d)", req.request_id)
+                self._count("ForwardStream", grpc.StatusCode.INTERNAL)
                 code = grpc.StatusCode.INTERNAL.value[0]
                 resp = pb.ForwardResponse(
                     request_id=req.request_id, error=pb.Error(code=code, message="internal error")
                 )
+            finally:
+                window.release()
             await results.put(resp)
-            window.release()
 
         async def read() -> None:
             async for req in request_iterator:
                 await window.acquire()
-                task = asyncio.create_task(one(req))
+                task = asyncio.ensure_future(one(req))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
                 await asyncio.gather(*list(tasks))
             await results.put(None)
 
-        reader = asyncio.create_task(read())
+        reader = asyncio.ensure_future(read())
         try:
             while (resp := await results.get()) is not None:
                 yield resp
@@ -132,10 +179,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 task.cancel()
 
     async def Describe(self, request, context):
-        try:
-            bank = self._check_ready()
-        except RequestError as e:
-            await context.abort(e.code, e.message)
+        if self.bank is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
+        bank = self.bank
         info = bank.info
         device = bank.backend.device
         device_name = str(device)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one shard server (its own registry, so several servers
+can live in one process), served on an HTTP port when asked."""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+_TOKEN_BUCKETS = tuple(2.0**i for i in range(15))  # 1 .. 16384
+_SECONDS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+class _DeviceMemory:
+    """GPU memory at scrape time (nothing on a CPU server)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "expertd_device_memory_bytes", "Device memory held by this process", labels=["kind"]
+        )
+        if self.device is not None and self.device.type == "cuda":
+            family.add_metric(["allocated"], torch.cuda.memory_allocated(self.device))
+            family.add_metric(["reserved"], torch.cuda.memory_reserved(self.device))
+        yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "expertd_requests", "Requests by method and status code", ["method", "code"], registry=r
+        )
+        self.tokens = Counter("expertd_tokens", "Tokens computed", registry=r)
+        self.batch_tokens = Histogram(
+            "expertd_batch_tokens", "Tokens per merged forward", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            "expertd_batch_requests",
+            "Requests per merged forward",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "expertd_queue_seconds", "Received -> compute start", buckets=_SECONDS, registry=r
+        )
+        self.compute_seconds = Histogram(
+            "expertd_compute_seconds",
+            "One merged forward: staging, copies, kernels",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            "expertd_encode_seconds", "Output to response bytes", buckets=_SECONDS, registry=r
+        )
+        self.inflight = Gauge("expertd_inflight_requests", "Requests being served", registry=r)
+        self.queued_tokens = Gauge(
+            "expertd_queued_tokens", "Tokens waiting for compute", registry=r
+        )
+        self.resident_bytes = Gauge(
+            "expertd_resident_weight_bytes", "Expert weights resident on the device", registry=r
+        )
+        self._memory = _DeviceMemory(None)
+        r.register(self._memory)
+
+    def watch_device(self, device: torch.device) -> None:
+        self._memory.device = device
+
+    def serve(self, port: int, host: str = "0.0.0.0"):
+        """Start the /metrics HTTP endpoint; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        server = getattr(self, "_http", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
