@@ -78,7 +78,7 @@ def test_concurrent_requests_are_merged_and_split_back(bank0, full_layers):
 def test_nan_in_one_merged_request_spares_the_others(bank0, full_layers):
     with BackgroundServer(shard_config(0, batch_window_us=200_000), bank=bank0) as server:
         good = [make_request(5, s) for s in (1, 2)]
-        bad_req, (x, ids, w) = make_request(4, 3)
+        bad_req, (x, _ids, _w) = make_request(4, 3)
         x = x.clone()
         x[3, 100] = float("inf")
         bad_req.hidden_states.CopyFrom(wire.encode(x))
@@ -319,28 +319,27 @@ def test_unix_socket(bank0, tmp_path, full_layers):
 def test_draining_refuses_new_calls(bank0):
     with BackgroundServer(shard_config(0), bank=bank0) as server:
         server.servicer.draining = True
-        with open_channel(server.address) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                pb_grpc.ExpertServiceStub(ch).Forward(make_request(2, 1)[0], timeout=5)
+        with open_channel(server.address) as ch, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ExpertServiceStub(ch).Forward(make_request(2, 1)[0], timeout=5)
         assert (
             info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
         )
 
 
 def test_too_many_inflight(bank0):
-    with BackgroundServer(shard_config(0, max_inflight=1), bank=bank0) as server:
-        with open_channel(server.address) as ch:
-            stub = pb_grpc.ExpertServiceStub(ch)
-            with ThreadPoolExecutor(4) as pool:
-                calls = [
-                    pool.submit(stub.Forward, make_request(1024, s, k=4)[0], timeout=60)
-                    for s in range(4)
-                ]
-                codes = []
-                for c in calls:
-                    try:
-                        c.result()
-                        codes.append(grpc.StatusCode.OK)
-                    except grpc.RpcError as e:
-                        codes.append(e.code())
+    config = shard_config(0, max_inflight=1)
+    with BackgroundServer(config, bank=bank0) as server, open_channel(server.address) as ch:
+        stub = pb_grpc.ExpertServiceStub(ch)
+        with ThreadPoolExecutor(4) as pool:
+            calls = [
+                pool.submit(stub.Forward, make_request(1024, s, k=4)[0], timeout=60)
+                for s in range(4)
+            ]
+        codes = []
+        for c in calls:
+            try:
+                c.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
     assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
