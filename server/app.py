@@ -21,15 +21,19 @@ from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
 from expertd.server.metrics import Metrics
+from expertd.server.oip import InferenceServicer
 from expertd.server.security import BearerAuthInterceptor, server_credentials
 from expertd.server.service import ExpertServicer
 from expertd.server.validate import Limits
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
+from expertd.v1 import inference_pb2 as oip
+from expertd.v1 import inference_pb2_grpc as oip_grpc
 
 log = logging.getLogger("expertd.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+OIP_SERVICE_NAME = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -98,10 +102,11 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         max_inflight=config.max_inflight,
     )
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(servicer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     if credentials is None:
