@@ -7,10 +7,13 @@ Shape legend:
     Mt  m-tiles = N / 16  Kg 64-k groups = K / 64            g, t: lane / 4, lane % 4
 
 Resident form of one projection stack [El, N, K]:
-    codes   uint8 [El, Mt, Kg, 32 lanes, 16 B]: lane (g, t) holds, for k-step ks of the group,
-            the 32-bit word ks whose nibble n is the code of (row, k) = NIBBLE_SOURCE[n]
-            (rows within the m-tile, k within the k-step), exactly the m16n8k16 A-fragment order.
-    scales  uint8 [El, Mt, Kg, 8 g, 4 ks, 2]: fp8 e4m3 bits of rows g and g+8 for k-step ks.
+    codes   uint8 [El, Mt, Kg, 32 lanes, 16 B]: lane (g, t) holds, for each k-step ks of the
+            group, the 32-bit word ks with the 8 codes of its m16n8k16 A fragment: value (reg, h)
+            is (row, k) = (g + 8 (reg % 2), 2t + h + 8 (reg // 2)) within the m-tile / k-step, its
+            sign at bit NIBBLE_LAYOUT[reg][0] + 16 h and its 3 magnitude bits from
+            NIBBLE_LAYOUT[reg][1] + 16 h (see e2m1x8_to_bf16x8 in moe_nvfp4.cu).
+    scales  bf16 bits, uint8 [El, Mt, Kg, 8 g, 4 ks, 2 rows, 2 B]: fp8 scale * 2^119 (exact) of
+            rows g and g+8 for k-step ks.
 Gate and up are interleaved first: m-tile m = gate rows 8m..8m+7 then up rows 8m..8m+7.
 """
 
@@ -22,38 +25,36 @@ import torch
 
 from expertd.kernels.nvfp4 import Nvfp4Weight, unpack_codes
 
-# Nibble n (bits 4n..4n+3) of lane (g, t)'s word for one k-step: (row offset, k offset).
-# row offset is added to g, k offset to 2t. See the header of moe_nvfp4.cu.
-NIBBLE_SOURCE = (
-    (8, 8),  # 0: a6  row g+8, k 2t+8
-    (0, 8),  # 1: a4  row g,   k 2t+8
-    (8, 0),  # 2: a2  row g+8, k 2t
-    (0, 0),  # 3: a0  row g,   k 2t
-    (8, 9),  # 4: a7  row g+8, k 2t+9
-    (0, 9),  # 5: a5  row g,   k 2t+9
-    (8, 1),  # 6: a3  row g+8, k 2t+1
-    (0, 1),  # 7: a1  row g,   k 2t+1
-)
+# A register -> (sign bit, lowest magnitude bit) of its first value in the word; the kernel moves
+# them to bf16 bits 15 and 6-8. Chosen by an exhaustive search for the fewest ALU ops.
+NIBBLE_LAYOUT = ((15, 6), (9, 0), (10, 3), (11, 12))
+SCALE_SHIFT = 119  # resident bf16 scale = fp8 * 2^119; the kernel's product is W / (gs * 2^7)
 
 
 @dataclass(frozen=True, slots=True)
 class PackedProjection:
     codes: torch.Tensor  # uint8 [El, Mt, Kg, 32, 16]
-    scales: torch.Tensor  # uint8 [El, Mt, Kg, 8, 4, 2]
+    scales: torch.Tensor  # uint8 [El, Mt, Kg, 8 g, 4 ks, 2 rows x 2 B]: bf16 bits
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel()
 
 
-def code_gather_index(device: torch.device | str = "cpu") -> torch.Tensor:
-    """int64 [32 lanes, 4 ks, 8 nibbles]: flat index row * 64 + k into a 16 x 64 (m-tile, k-group)."""
-    lane = torch.arange(32)
+def _value_coords() -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, k) within an m-tile x k-step of value (lane, reg, h): two int64 [32, 4, 2]."""
+    lane = torch.arange(32).view(32, 1, 1)
+    reg = torch.arange(4).view(1, 4, 1)
+    h = torch.arange(2).view(1, 1, 2)
     g, t = lane // 4, lane % 4
-    idx = torch.empty((32, 4, 8), dtype=torch.int64)
-    for ks in range(4):
-        for n, (dr, dk) in enumerate(NIBBLE_SOURCE):
-            idx[:, ks, n] = (g + dr) * 64 + ks * 16 + 2 * t + dk
-    return idx.to(device)
+    row = (g + 8 * (reg % 2)).expand(32, 4, 2)
+    return row, 2 * t + h + 8 * (reg // 2)
+
+
+def code_gather_index(device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [32 lanes, 4 ks, 4 regs, 2 h]: flat index row * 64 + k into a 16 x 64 (m-tile, k-group)."""
+    row, k = _value_coords()  # [32, 4 reg, 2 h]
+    ks = torch.arange(4).view(1, 4, 1, 1)
+    return (row.unsqueeze(1) * 64 + ks * 16 + k.unsqueeze(1)).to(device)
 
 
 def scale_gather_index(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -62,6 +63,13 @@ def scale_gather_index(device: torch.device | str = "cpu") -> torch.Tensor:
     ks = torch.arange(4).view(1, 4, 1)
     half = torch.arange(2).view(1, 1, 2)
     return ((g + 8 * half) * 4 + ks).to(device)
+
+
+def _bit_positions(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign position and magnitude base position of value (reg, h): two int64 [4, 2]."""
+    lay = torch.tensor(NIBBLE_LAYOUT, dtype=torch.int64, device=device)  # [4, 2]
+    h16 = 16 * torch.arange(2, device=device).view(1, 2)
+    return lay[:, 0:1] + h16, lay[:, 1:2] + h16
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -79,16 +87,18 @@ def pack_codes_scales(codes: torch.Tensor, scales_u8: torch.Tensor) -> PackedPro
     if n % 16 or k % 64:
         raise ValueError(f"N must be a multiple of 16 and K of 64, got N={n}, K={k}")
     mt, kg = n // 16, k // 64
-    # A zero scale means a zero block: zero its codes so the kernel's scale conversion (which
-    # maps fp8 0 to a finite non-zero bf16) never matters.
-    zero = (scales_u8 & 0x7F) == 0  # [El, N, K/16]
-    codes = codes.masked_fill(zero.repeat_interleave(16, dim=-1), 0)
+    dev = codes.device
     tiles = codes.view(el, mt, 16, kg, 64).permute(0, 1, 3, 2, 4).reshape(el, mt, kg, 1024)
-    nib = tiles[..., code_gather_index(codes.device).view(-1)].view(el, mt, kg, 32, 16, 2)
-    packed = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()  # [El, Mt, Kg, 32, 16]
+    vals = tiles[..., code_gather_index(dev).view(-1)].view(el, mt, kg, 32, 4, 4, 2).long()
+    sign_pos, mag_pos = _bit_positions(dev)  # [4 reg, 2 h]
+    bits = ((vals >> 3) & 1) << sign_pos | (vals & 7) << mag_pos  # disjoint bit fields
+    words = bits.sum(dim=(-2, -1))  # [El, Mt, Kg, 32, 4 ks]
+    shifts = torch.arange(4, device=dev) * 8
+    packed = ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).view(el, mt, kg, 32, 16)
     st = scales_u8.view(el, mt, 16, kg, 4).permute(0, 1, 3, 2, 4).reshape(el, mt, kg, 64)
-    sp = st[..., scale_gather_index(codes.device).view(-1)].view(el, mt, kg, 8, 4, 2)
-    return PackedProjection(packed, sp.contiguous())
+    sp = st[..., scale_gather_index(dev).view(-1)].view(el, mt, kg, 8, 4, 2)
+    sbf = (sp.view(torch.float8_e4m3fn).float() * 2.0**SCALE_SHIFT).to(torch.bfloat16)
+    return PackedProjection(packed.contiguous(), sbf.contiguous().view(torch.uint8))
 
 
 def _fp8_bits(w: Nvfp4Weight) -> torch.Tensor:
@@ -128,28 +138,32 @@ def _bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_dequant(p: PackedProjection) -> torch.Tensor:
-    """Resident form -> float32 [El, N, K] = E2M1 * fp8 * 2^-7 (the kernel's bf16 A operand)."""
+    """Resident form -> float32 [El, N, K] = E2M1 * fp8 * 2^-7 (the kernel's bf16 A operand),
+    through the kernel's own bit operations (e2m1x8_to_bf16x8, prmt of the scale word)."""
     el, mt, kg = p.codes.shape[:3]
     words = p.codes.view(el, mt, kg, 32, 4, 4).to(torch.int64)
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
-    sc = p.scales.view(el, mt, kg, 8, 4, 2).to(torch.int64)  # [.., g, ks, half]
+    scale = _bf16_from_bits(
+        p.scales.view(el, mt, kg, 8, 4, 2, 2).to(torch.int64).select(-1, 0)
+        | p.scales.view(el, mt, kg, 8, 4, 2, 2).to(torch.int64).select(-1, 1) << 8
+    )  # [el, mt, kg, g, ks, half]
     lane = torch.arange(32)
     g = lane // 4
-    # scale as the kernel converts it: fp8 -> f16 exact, then exponent + 231 as bf16 (= fp8*2^119)
-    fp8 = sc.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-    scale = fp8 * 2.0**119  # [el, mt, kg, 8, 4, 2]
+    m32 = 0xFFFFFFFF
+    row, kk = _value_coords()  # [32, 4 reg, 2 h]
     out = torch.zeros((el, mt, kg, 16, 64), dtype=torch.float32)
     for ks in range(4):
-        w = words[..., ks]  # [el, mt, kg, 32]
-        for i in range(4):  # A register i = f(w << 4i), halves lo/hi
-            x = (w << (4 * i)) & 0xFFFFFFFF
-            bits = (x & 0x80008000) | ((x >> 6) & 0x01C001C0)
-            for half, n in ((0, 3 - i), (1, 7 - i)):
-                v = _bf16_from_bits((bits >> (16 * half)) & 0xFFFF)  # E2M1 * 2^-126
-                dr, dk = NIBBLE_SOURCE[n]
-                s = scale[..., g, ks, dr // 8]  # [el, mt, kg, 32]
+        q = words[..., ks]  # [el, mt, kg, 32]
+        regs = (
+            q & 0x81C081C0,
+            ((q << 6) & m32) & 0x81C081C0,
+            (((q << 5) & m32) & 0x80008000) | (((q << 3) & m32) & 0x01C001C0),
+            (((q << 4) & m32) & 0x80008000) | ((q >> 6) & 0x01C001C0),
+        )
+        for reg in range(4):
+            for h in range(2):
+                v = _bf16_from_bits((regs[reg] >> (16 * h)) & 0xFFFF)  # E2M1 * 2^-126
+                s = scale[..., g, ks, reg % 2]  # rows g (even regs) or g+8 (odd regs)
                 prod = (v.double() * s.double()).float()  # exact: <= 6 significant bits
-                rows = g + dr
-                cols = ks * 16 + 2 * (lane % 4) + dk
-                out[..., rows, cols] = prod
+                out[..., row[:, reg, h], ks * 16 + kk[:, reg, h]] = prod
     return out.permute(0, 1, 3, 2, 4).reshape(el, mt * 16, kg * 64)

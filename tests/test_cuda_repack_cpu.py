@@ -35,7 +35,7 @@ def test_repack_down_matches_dequantize():
     w = _random_weight(2, 48, 128, seed=1)
     packed = repack_down(w, chunk=1)
     assert isinstance(packed, PackedProjection)
-    assert packed.codes.shape == (2, 3, 2, 32, 16) and packed.scales.shape == (2, 3, 2, 8, 4, 2)
+    assert packed.codes.shape == (2, 3, 2, 32, 16) and packed.scales.shape == (2, 3, 2, 8, 4, 4)
     got = emulate_dequant(packed).double() * (w.weight_scale_2.double().view(-1, 1, 1) * SHIFT)
     torch.testing.assert_close(got, w.dequantize(torch.float64), rtol=0, atol=0)
 

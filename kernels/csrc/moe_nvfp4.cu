@@ -19,17 +19,16 @@
 //
 // Resident weight layout (made by kernels/repack.py, checked on the CPU by tests):
 //   codes  uint4 [El][Mt][K/64][32 lanes]: the 16 bytes lane (g = lane/4, t = lane%4) of a warp
-//          needs for 4 k-steps of one m-tile (16 rows x 64 k); word ks holds 8 nibbles:
-//              nibble 3,7: rows g   , k 2t,2t+1      (A regs a0,a1)
-//              nibble 2,6: rows g+8 , k 2t,2t+1      (a2,a3)
-//              nibble 1,5: rows g   , k 2t+8,2t+9    (a4,a5)
-//              nibble 0,4: rows g+8 , k 2t+8,2t+9    (a6,a7)
-//          so f(q << 4i) = (x & 0x80008000) | ((x >> 6) & 0x01C001C0) yields A reg i as two bf16
-//          equal to the E2M1 values times 2^-126 (0.5 comes out as a bf16 subnormal).
-//   scales uint8 [El][Mt][K/64][8 g][4 ks][2]: the fp8 e4m3 scales of rows g and g+8 for k-step
-//          ks, one 16-bit pair -> cvt.rn.f16x2.e4m3x2 -> re-biased to bf16 = fp8 * 2^119.
-//          The product f(.) * scale = E2M1 * fp8 * 2^-7 is exact in bf16; the epilogue multiplies
-//          by weight_scale_2 * 2^7 in fp32 (per projection, so gate and up may differ).
+//          needs for 4 k-steps of one m-tile (16 rows x 64 k). Word ks holds the 8 E2M1 codes of
+//          the lane's A fragment for k-step ks (rows g, g+8 x k 2t, 2t+1, 2t+8, 2t+9), with the
+//          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 11 ops for 4 registers.
+//   scales bf16 [El][Mt][K/64][8 g][4 ks][2]: fp8 scale * 2^119 (exact) of rows g and g+8 for
+//          k-step ks; one 32-bit word per k-step, split into two broadcast pairs with prmt.
+//          (v1 kept fp8 and converted in registers: 7 ops per k-step; bf16 costs 11% more bytes
+//          per expert but the kernel is issue-bound, see NOTES.md.)
+//          The product (E2M1 * 2^-126) * (fp8 * 2^119) = E2M1 * fp8 * 2^-7 is exact in bf16; the
+//          epilogue multiplies by weight_scale_2 * 2^7 in fp32 (per projection: gate and up may
+//          differ).
 //   GEMM1 rows are interleaved: m-tile m holds gate rows 8m..8m+7 then up rows 8m..8m+7, so the
 //          accumulator of one thread holds gate and up of the same column (c0/c2, c1/c3).
 //
@@ -122,19 +121,21 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   return d;
 }
 
-// Two E2M1 codes (nibbles at bits 12-15 and 28-31) -> two bf16 = value * 2^-126.
-__device__ __forceinline__ uint32_t e2m1x2_to_bf16x2(uint32_t x) {
-  return (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
-}
-
-// Two fp8 e4m3 scales (low byte: row g, high byte: row g+8) -> bf16x2 = fp8 * 2^119.
-// e4m3 -> f16 is exact (cvt, sm_89+); then f16 -> bf16 by re-biasing the exponent:
-// bf16 exponent = f16 exponent + 231 (<= 23 + 231 = 254 for 448). Scales are >= 0; a zero scale
-// has all-zero codes after the repack, so its (finite) converted value never matters.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_shifted(uint16_t s) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(s));
-  return ((h >> 3) & 0x0FFF0FFFu) + 0x73807380u;
+// E2M1 -> bf16 by moving bits: a code's sign goes to bf16 bit 15 and its 3 magnitude bits to
+// bits 6-8 (exponent LSBs + mantissa MSB), which yields value * 2^-126 exactly (0.5 becomes a bf16
+// subnormal). The repack stores the 8 codes of one k-step so that each A register needs few ops
+// (found by search: 11 logic/shift ops for 4 registers; see NIBBLE_LAYOUT in repack.py):
+//   reg | sign bit | magnitude bits | ops
+//    0  |    15    |      6-8       | and
+//    1  |     9    |      0-2       | shl 6, and
+//    2  |    10    |      3-5       | shl 5, shl 3, and, lop3
+//    3  |    11    |     12-14      | shl 4, shr 6, and, lop3
+// (+16 for the second value of each register).
+__device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
+  r[0] = q & 0x81C081C0u;
+  r[1] = (q << 6) & 0x81C081C0u;
+  r[2] = ((q << 5) & 0x80008000u) | ((q << 3) & 0x01C001C0u);
+  r[3] = ((q << 4) & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
@@ -233,7 +234,7 @@ struct GemmShape {
   static constexpr int kBK = 64 * KG;
   static constexpr int kMTiles = NW * WM;                 // m-tiles per block
   static constexpr int kWBytes = kMTiles * KG * 512;      // codes per stage
-  static constexpr int kSBytes = kMTiles * KG * 64;       // scales per stage
+  static constexpr int kSBytes = kMTiles * KG * 128;      // scales per stage (bf16)
   static constexpr int kABytes = BT * kBK * 2;            // activations per stage
   static constexpr int kStageBytes = kWBytes + kSBytes + kABytes;
   static constexpr int kRedBytes = (NK - 1) * NW * WM * (BT / 8) * 4 * 32 * 4;
@@ -256,10 +257,10 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
-  const int tile = blockIdx.x;
+  const int tile = blockIdx.y;
   if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
-  const int mt0 = blockIdx.y * S::kMTiles;
+  const int mt0 = blockIdx.x * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 
   // Per-thread copy sources, fixed for the whole K loop (stage kt adds kt * stage stride).
   const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
-  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 4;
+  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 8;
   const uint4* wsrc[S::kWPer];
   const uint4* ssrc[S::kSPer];
   constexpr int kChunksPerRow = S::kBK / 8;
@@ -287,8 +288,8 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 #pragma unroll
   for (int i = 0; i < S::kSPer; ++i) {
     const int c = tid + i * T;
-    const int m = c / (KG * 4), rem = c % (KG * 4);
-    ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 4 + rem;
+    const int m = c / (KG * 8), rem = c % (KG * 8);
+    ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 8 + rem;
   }
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
     for (int i = 0; i < S::kSPer; ++i) {
       const int c = tid + i * T;
       if (S::kSChunks % T == 0 || c < S::kSChunks)
-        cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 4), 16);
+        cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
     }
     constexpr int kRowsPerPass = T / kChunksPerRow;
 #pragma unroll
@@ -364,12 +365,12 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
     for (int kgi = 0; kgi < KG / NK; ++kgi) {
       const int kg = kgi * NK + wk;
       uint4 q[WM];
-      uint2 sc[WM];
+      uint4 sc[WM];
 #pragma unroll
       for (int w = 0; w < WM; ++w) {
         const int m = wm * WM + w;
         q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
-        sc[w] = *reinterpret_cast<const uint2*>(s_s + (m * KG + kg) * 64 + g * 8);
+        sc[w] = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
       }
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
@@ -380,15 +381,17 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const uint32_t word = p == 0 ? (h == 0 ? q[w].x : q[w].y) : (h == 0 ? q[w].z : q[w].w);
-            const uint32_t sword = p == 0 ? sc[w].x : sc[w].y;
-            const uint32_t s2 = e4m3x2_to_bf16x2_shifted(
-                static_cast<uint16_t>(h ? (sword >> 16) : (sword & 0xFFFFu)));
+            // bf16 scales * 2^119 of rows g (low half) and g+8 (high half) for this k-step
+            const uint32_t s2 =
+                p == 0 ? (h == 0 ? sc[w].x : sc[w].y) : (h == 0 ? sc[w].z : sc[w].w);
             const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
             const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
-            af[w][h][0] = bf16x2_mul(e2m1x2_to_bf16x2(word), s_lo);
-            af[w][h][1] = bf16x2_mul(e2m1x2_to_bf16x2(word << 4), s_hi);
-            af[w][h][2] = bf16x2_mul(e2m1x2_to_bf16x2(word << 8), s_lo);
-            af[w][h][3] = bf16x2_mul(e2m1x2_to_bf16x2(word << 12), s_hi);
+            uint32_t r[4];
+            e2m1x8_to_bf16x8(word, r);
+            af[w][h][0] = bf16x2_mul(r[0], s_lo);
+            af[w][h][1] = bf16x2_mul(r[1], s_hi);
+            af[w][h][2] = bf16x2_mul(r[2], s_lo);
+            af[w][h][3] = bf16x2_mul(r[3], s_hi);
           }
         }
 #pragma unroll
@@ -500,7 +503,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
       float v = 0.0f;
 #pragma unroll
       for (int w = 0; w < NW; ++w) v += red[w][i];
-      a.partial[static_cast<long long>(blockIdx.y) * a.pcap + tile * BT + i] = v;
+      a.partial[static_cast<long long>(blockIdx.x) * a.pcap + tile * BT + i] = v;
     }
   }
 }
@@ -652,10 +655,13 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int i
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
-  dim3 grid1(t_max, (2 * inter / 16) / Sh1::kMTiles);
+  // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
+  // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
+  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  dim3 grid1((2 * inter / 16) / Sh1::kMTiles, t_max);
   k1<<<grid1, Sh1::kThreads, Sh1::kSmemBytes, stream>>>(g1);
   if (int rc = check_launch("moe_gemm (gate/up)")) return rc;
-  dim3 grid2(t_max, (h / 16) / Sh2::kMTiles);
+  dim3 grid2((h / 16) / Sh2::kMTiles, t_max);
   k2<<<grid2, Sh2::kThreads, Sh2::kSmemBytes, stream>>>(g2);
   return check_launch("moe_gemm (down)");
 }
