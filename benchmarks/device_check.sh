@@ -44,7 +44,7 @@ if [[ $what == *profile* ]]; then
   # counters on Firecracker machines; clocks left alone).
   timeout ${T_PROF:-200} ncu --clock-control none --kernel-name regex:"moe_gemm|route_kernel|finalize" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis python3 benchmarks/profile_case.py ${PROFILE_MS:-1 256} \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --metrics smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_math_pipe_throttle,smsp__average_warp_latency_issue_stalled_short_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_mio_throttle,smsp__average_warp_latency_issue_stalled_lg_throttle,smsp__average_warp_latency_issue_stalled_no_instruction,smsp__average_warp_latency_issue_stalled_not_selected,smsp__average_warp_latency_issue_stalled_selected,smsp__average_warp_latency_issue_stalled_dispatch_stall python3 benchmarks/profile_case.py ${PROFILE_MS:-1 256} \
     >"$OUT/ncu.log" 2>&1
   summary+=("profile: rc=$? (ncu.log)")
   grep -E "moe_gemm|route_kernel|finalize|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Issue Slots|No Eligible|Stall" "$OUT/ncu.log" | head -150

@@ -59,9 +59,11 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // KG = 64-k groups per stage, ST = pipeline stages.
 //
 //   BT | GEMM1 (gate/up) WM NW NK KG ST | GEMM2 (down) WM NW NK KG ST | why
-//    8 |                  1  4  4  4  6 |               1  2  4  4  6 | decode: one expert hit must
-//   16 |                  1  4  4  4  6 |               1  2  4  4  6 |   still fill 132 SMs with
-//      |                                |                             |   many warps (v1 had 4/SM)
+//    8 |                  1  4  4  4  9 |               1  2  4  4 13 | decode: > 114 KB of smem so
+//      |                                |                             |   one block per SM (the
+//      |                                |                             |   dispatcher packed 2 on
+//      |                                |                             |   64 SMs, 64 idle), deep ring
+//   16 |                  1  4  4  4  6 |               1  2  4  4  6 | two blocks per SM
 //   32 |                  1  4  2  2  5 |               1  4  2  2  5 | middle
 //   64 |                  2  4  1  2  4 |               2  4  1  2  4 | WM = 2: one ldmatrix of B
 //      |                                |                             |   feeds 4 MMAs
@@ -70,7 +72,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
 // ---------------------------------------------------------------------------------------------
 #define EXPERTD_FOR_EACH_CONFIG(X)           \
-  X(8, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)          \
+  X(8, 1, 4, 4, 4, 9, 1, 2, 4, 4, 13)         \
   X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)         \
   X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 4, 2, 4, 1, 2, 4)
@@ -154,53 +156,97 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
 
 // ------------------------------------ 1. routing ---------------------------------------------
 
-// One block. Shared memory: cnt[El], off[El + 1], fill[El].
-__global__ void route_kernel(const int* __restrict__ topk_ids, int num_routes,
-                             const int* __restrict__ local_of, int num_experts, int el, int bt,
-                             int* __restrict__ sorted_route, int* __restrict__ pos_of_route,
-                             int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El]. The local expert of
+// a thread's first kCached routes stays in registers between the count and the scatter (one
+// round of dependent global loads instead of two); warp 0 scans the padded counts.
+constexpr int kRouteThreads = 1024;
+constexpr int kCached = 4;
+
+__device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
+                                            const int* __restrict__ local_of, int r,
+                                            int num_experts, int el) {
+  const int id = topk_ids[r];
+  const int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
+  return (e >= 0 && e < el) ? e : -1;
+}
+
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(
+    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
+    int num_experts, int el, int bt, int* __restrict__ sorted_route,
+    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* off = sm + el;
   int* fill = off + el + 1;
-  for (int i = threadIdx.x; i < el; i += blockDim.x) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < el; i += kRouteThreads) {
     cnt[i] = 0;
     fill[i] = 0;
   }
-  __syncthreads();
-  for (int r = threadIdx.x; r < num_routes; r += blockDim.x) {
-    int id = topk_ids[r];
-    int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
-    if (e >= 0 && e < el) atomicAdd(&cnt[e], 1);
+  int cached[kCached];
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int r = tid + i * kRouteThreads;
+    cached[i] = r < num_routes ? local_expert(topk_ids, local_of, r, num_experts, el) : -1;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int e = 0; e < el; ++e) {
+#pragma unroll
+  for (int i = 0; i < kCached; ++i)
+    if (cached[i] >= 0) atomicAdd(&cnt[cached[i]], 1);
+  for (int r = tid + kCached * kRouteThreads; r < num_routes; r += kRouteThreads) {
+    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
+    if (e >= 0) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of the padded counts: lane l owns experts [l*c, (l+1)*c)
+    const int c = (el + 31) / 32;
+    int sum = 0;
+    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += v;
+    }
+    int acc = incl - sum;
+    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) {
       off[e] = acc;
       acc += (cnt[e] + bt - 1) / bt * bt;
     }
-    off[el] = acc;
-    *num_tiles = acc / bt;
+    if (tid == 31) {
+      off[el] = incl;
+      *num_tiles = incl / bt;
+    }
   }
   __syncthreads();
   const int total = off[el];
-  for (int p = threadIdx.x; p < total; p += blockDim.x) sorted_route[p] = -1;
-  for (int tile = threadIdx.x; tile < total / bt; tile += blockDim.x) {
-    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt
+  for (int p = tid; p < total; p += kRouteThreads) sorted_route[p] = -1;
+  for (int tile = tid; tile < total / bt; tile += kRouteThreads) {
+    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt (empty experts share offsets)
     const int p = tile * bt;
     while (lo < hi) {
-      int mid = (lo + hi + 1) >> 1;
+      const int mid = (lo + hi + 1) >> 1;
       if (off[mid] <= p) lo = mid; else hi = mid - 1;
     }
     tile_expert[tile] = lo;
   }
   __syncthreads();  // padding written before the scatter overwrites the used positions
-  for (int r = threadIdx.x; r < num_routes; r += blockDim.x) {
-    int id = topk_ids[r];
-    int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
+#pragma unroll
+  for (int i = 0; i < kCached; ++i) {
+    const int r = tid + i * kRouteThreads;
+    if (r < num_routes) {
+      int p = -1;
+      if (cached[i] >= 0) {
+        p = off[cached[i]] + atomicAdd(&fill[cached[i]], 1);
+        sorted_route[p] = r;
+      }
+      pos_of_route[r] = p;
+    }
+  }
+  for (int r = tid + kCached * kRouteThreads; r < num_routes; r += kRouteThreads) {
+    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     int p = -1;
-    if (e >= 0 && e < el) {
+    if (e >= 0) {
       p = off[e] + atomicAdd(&fill[e], 1);
       sorted_route[p] = r;
     }
@@ -715,14 +761,15 @@ struct ExpertdMoeArgs {
 
 const char* expertd_last_error(void) { return g_error; }
 
-// Tokens per tile for a call: routes per hit expert are about Poisson(lambda = M * top_k / E);
-// take the smallest compiled BT >= lambda + 2.5 sqrt(lambda), so most experts need one tile
-// (each extra tile dequantizes the expert's weights again).
+// Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
+// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, 2026-11-29): BT = 8 wins to lambda = 4,
+// 16 at 8, 32 from 16 to 32, 64 from 64. Small tiles cost re-dequantizing an expert for every
+// extra tile, large ones cost MMAs on padding (compute-bound above lambda ~ 32).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  const double want = lambda + 2.5 * sqrt(lambda);
-  for (int bt : {8, 16, 32})
-    if (want <= bt) return bt;
+  if (lambda <= 5) return 8;
+  if (lambda <= 12) return 16;
+  if (lambda <= 45) return 32;
   return 64;
 }
 
@@ -764,7 +811,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
 
-  route_kernel<<<1, 1024, sizeof(int) * (3 * a.el + 1), stream>>>(
+  route_kernel<<<1, kRouteThreads, sizeof(int) * (3 * a.el + 1), stream>>>(
       a.topk_ids, routes, a.local_of, a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route,
       c.tile_expert, c.num_tiles);
   if (int rc = check_launch("route_kernel")) return rc;
