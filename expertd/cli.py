@@ -1,4 +1,4 @@
-"""The `expertd` command: serve, make-checkpoint, describe, demo.
+"""The `expertd` command: serve, make-checkpoint, describe, health, cluster, demo.
 
 Every `serve` flag also reads an EXPERTD_* environment variable (flag wins), so
 a container is configured by either.
@@ -127,6 +127,33 @@ def cmd_describe(args) -> int:
     return 0
 
 
+def cmd_health(args) -> int:
+    """Exit 0 when the server answers SERVING on grpc.health.v1: a container health check."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = args.address
+    if address is None:  # the address this container serves on, reached from inside it
+        host, _, port = _env("LISTEN", "127.0.0.1:50051").rpartition(":")
+        address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+    request = health_pb2.HealthCheckRequest(service=args.service)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"{address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {name}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_cluster(args) -> int:
+    from expertd.cluster import run_cluster
+
+    return run_cluster(args)
+
+
 def cmd_demo(args) -> int:
     from expertd.demo import run_demo
 
@@ -150,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("addresses", nargs="+")
     ds.add_argument("--timeout", type=float, default=5.0)
 
+    hc = sub.add_parser("health", help="exit 0 if a server reports SERVING (grpc.health.v1)")
+    hc.add_argument("address", nargs="?", help="default: EXPERTD_LISTEN, wildcard as 127.0.0.1")
+    hc.add_argument("--service", default="", help="health service name ('' = the server)")
+    hc.add_argument("--timeout", type=float, default=3.0)
+
+    from expertd.cluster import add_cluster_arguments
+
+    add_cluster_arguments(sub.add_parser("cluster", help="start and supervise N local shards"))
+
     from expertd.demo import add_demo_arguments
 
     add_demo_arguments(sub.add_parser("demo", help="run a local 8-shard service and check it"))
@@ -168,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "make-checkpoint": cmd_make_checkpoint,
         "describe": cmd_describe,
         "demo": cmd_demo,
+        "health": cmd_health,
+        "cluster": cmd_cluster,
     }[args.command]
     try:
         return handler(args)
