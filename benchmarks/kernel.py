@@ -129,6 +129,7 @@ def main() -> int:
     ap.add_argument("--kind", default="nvidia-h200")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
+    ap.add_argument("--pdl-ab-max", type=int, default=1024, help="time graphs without PDL too")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -204,6 +205,7 @@ def main() -> int:
             "floor_us": floor * 1e6,
             "graph_us": t_graph * 1e6,
             "eager_us": t_eager * 1e6,
+            "graph_no_pdl_us": None if t_nopdl is None else t_nopdl * 1e6,
             "graph_x_floor": t_graph / floor,
             "graph_GBps": hit * expert_bytes / t_graph / 1e9,
             "graph_TFLOPs": flops / t_graph / 1e12,
@@ -264,6 +266,7 @@ def main() -> int:
 
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
+    head += f" {'no-PDL':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -271,7 +274,8 @@ def main() -> int:
     for r in rows:
         line = (
             f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
-            f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
+            f"{r['graph_no_pdl_us'] or float('nan'):>8.1f} {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
         if baseline is not None:

@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 
 namespace {
@@ -59,11 +60,11 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // KG = 64-k groups per stage, ST = pipeline stages.
 //
 //   BT | GEMM1 (gate/up) WM NW NK KG ST | GEMM2 (down) WM NW NK KG ST | why
-//    8 |                  1  4  4  4  9 |               1  2  4  4 13 | decode: > 114 KB of smem so
-//      |                                |                             |   one block per SM (the
-//      |                                |                             |   dispatcher packed 2 on
-//      |                                |                             |   64 SMs, 64 idle), deep ring
-//   16 |                  1  4  4  4  6 |               1  2  4  4  6 | two blocks per SM
+//    8 |                  1  4  4  4  6 |               1  2  4  4  6 | decode: 16 warps per block,
+//   16 |                  1  4  4  4  6 |               1  2  4  4  6 |   two blocks per SM
+//      |                                |                             |   (v4 tried one block per
+//      |                                |                             |   SM with a deeper ring:
+//      |                                |                             |   slower from M = 2 up)
 //   32 |                  1  4  2  2  5 |               1  4  2  2  5 | middle
 //   64 |                  2  4  1  2  4 |               2  4  1  2  4 | WM = 2: one ldmatrix of B
 //      |                                |                             |   feeds 4 MMAs
@@ -72,7 +73,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
 // ---------------------------------------------------------------------------------------------
 #define EXPERTD_FOR_EACH_CONFIG(X)           \
-  X(8, 1, 4, 4, 4, 9, 1, 2, 4, 4, 13)         \
+  X(8, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)          \
   X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)         \
   X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 4, 2, 4, 1, 2, 4)
@@ -140,6 +141,15 @@ __device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
   r[3] = ((q << 4) & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
+// its predecessor runs; it must wait (griddepcontrol.wait = predecessor complete and its writes
+// visible) before reading what the predecessor wrote. launch_dependents lets the next kernel's
+// blocks be scheduled once every block of this grid has issued it or exited.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -179,6 +189,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   int* off = sm + el;
   int* fill = off + el + 1;
   const int tid = threadIdx.x;
+  pdl_wait();  // the previous forward's finalize may still read pos_of_route
+  pdl_launch_dependents();
   for (int i = tid; i < el; i += kRouteThreads) {
     cnt[i] = 0;
     fill[i] = 0;
@@ -304,6 +316,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
   const int tile = blockIdx.y;
+  pdl_wait();
   if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
   const int mt0 = blockIdx.x * S::kMTiles;
@@ -457,6 +470,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
     }
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();
 
   // Split-K: k-warps 1..NK-1 hand their partial sums to k-warp 0 through the (now idle)
   // pipeline memory; summed in a fixed order, so results do not depend on timing.
@@ -566,6 +580,7 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   int* pos = reinterpret_cast<int*>(fsm + top_k);
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  pdl_wait();
   for (int j = warp; j < top_k; j += nwarps) {
     const int p = pos_of_route[static_cast<long long>(t) * top_k + j];
     float s = 0.0f;
@@ -658,6 +673,35 @@ Plan make_plan(long long m, int top_k, int h, int el, int bt) {
   return p;
 }
 
+// Launch with programmatic dependent launch (unless EXPERTD_KERNEL_PDL=0): the kernel's blocks are
+// scheduled while the previous kernel on the stream finishes; each kernel waits for it
+// (pdl_wait) before touching its outputs. Captured into CUDA graphs as programmatic edges.
+bool use_pdl() {
+  const char* v = getenv("EXPERTD_KERNEL_PDL");
+  return !(v && v[0] == '0');
+}
+
+template <typename Kernel, typename... Args>
+int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+           Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = use_pdl() ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (err != cudaSuccess) {
+    snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
+    return 2;
+  }
+  return check_launch(what);
+}
+
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
@@ -705,11 +749,11 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int i
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
   dim3 grid1((2 * inter / 16) / Sh1::kMTiles, t_max);
-  k1<<<grid1, Sh1::kThreads, Sh1::kSmemBytes, stream>>>(g1);
-  if (int rc = check_launch("moe_gemm (gate/up)")) return rc;
+  if (int rc = launch("moe_gemm (gate/up)", k1, grid1, dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                      stream, g1))
+    return rc;
   dim3 grid2((h / 16) / Sh2::kMTiles, t_max);
-  k2<<<grid2, Sh2::kThreads, Sh2::kSmemBytes, stream>>>(g2);
-  return check_launch("moe_gemm (down)");
+  return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
@@ -811,10 +855,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
 
-  route_kernel<<<1, kRouteThreads, sizeof(int) * (3 * a.el + 1), stream>>>(
-      a.topk_ids, routes, a.local_of, a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route,
-      c.tile_expert, c.num_tiles);
-  if (int rc = check_launch("route_kernel")) return rc;
+  if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
+                      sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
+                      a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
+                      c.num_tiles))
+    return rc;
 
   GemmArgs g1{};
   g1.codes = static_cast<const uint4*>(a.w13_codes);
@@ -855,10 +900,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #undef EXPERTD_DISPATCH
   if (rc) return rc;
 
-  finalize_kernel<<<static_cast<unsigned>(a.m), 256, a.top_k * 8, stream>>>(
-      c.pos_of_route, a.topk_weights, a.top_k, c.z, c.partial, p.nparts, p.pcap, a.h,
-      static_cast<uint16_t*>(a.out));
-  return check_launch("finalize_kernel");
+  return launch("finalize_kernel", finalize_kernel, dim3(static_cast<unsigned>(a.m)), dim3(256),
+                static_cast<size_t>(a.top_k) * 8, stream, c.pos_of_route,
+                static_cast<const float*>(a.topk_weights), a.top_k,
+                static_cast<const uint16_t*>(c.z), static_cast<const float*>(c.partial),
+                p.nparts, p.pcap, a.h, static_cast<uint16_t*>(a.out));
 }
 
 }  // extern "C"
