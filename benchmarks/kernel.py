@@ -187,6 +187,20 @@ def main() -> int:
             graphs.append(g)
         t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
         torch.cuda.synchronize()
+        # The same graphs without programmatic dependent launch (A/B of the launch overlap).
+        t_nopdl = None
+        if m <= args.pdl_ab_max:
+            os.environ["EXPERTD_KERNEL_PDL"] = "0"
+            plain = []
+            for x, ids, w in sets:
+                g = GraphedForward(backend, state, m, TOP_K)
+                g.x.copy_(x)
+                g.topk_ids.copy_(ids)
+                g.topk_weights.copy_(w)
+                plain.append(g)
+            os.environ.pop("EXPERTD_KERNEL_PDL")
+            t_nopdl = time_calls(lambda s, plain=plain: plain[s].replay(), n_sets, calls, reps)
+            del plain
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
         bt_us = {}
         if m <= args.bt_sweep_max:
