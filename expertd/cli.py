@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
@@ -43,11 +42,53 @@ def _serve_parser(sub) -> None:
     )
     run.add_argument("--device", default=_env("DEVICE", "auto"), help="cpu | cuda | cuda:N | auto")
     run.add_argument("--backend", default=_env("BACKEND"), help="reference | cuda (default: best)")
-    run.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", 16384, int))
-    run.add_argument("--max-top-k", type=int, default=_env("MAX_TOP_K", 64, int))
     run.add_argument("--grace", type=float, default=_env("GRACE_S", 30.0, float))
     run.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", None, int))
     run.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    run.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
+    run.add_argument(
+        "--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="Prometheus port"
+    )
+    lim = p.add_argument_group("limits and batching")
+    lim.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", 16384, int))
+    lim.add_argument("--max-top-k", type=int, default=_env("MAX_TOP_K", 64, int))
+    lim.add_argument("--max-inflight", type=int, default=_env("MAX_INFLIGHT", 512, int))
+    lim.add_argument(
+        "--max-queue-requests", type=int, default=_env("MAX_QUEUE_REQUESTS", 1024, int)
+    )
+    lim.add_argument("--max-queue-tokens", type=int, default=_env("MAX_QUEUE_TOKENS", 65536, int))
+    lim.add_argument(
+        "--batch-window-us",
+        type=int,
+        default=_env("BATCH_WINDOW_US", 0, int),
+        help="extra wait for requests to merge with (0: merge what is queued)",
+    )
+    lim.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int))
+    lim.add_argument(
+        "--max-batch-requests",
+        type=int,
+        default=_env("MAX_BATCH_REQUESTS", 256, int),
+        help="requests merged into one forward (1: batching off)",
+    )
+    lim.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=_env("GRAPH_MAX_TOKENS", 1024, int),
+        help="CUDA graphs for batches up to this many tokens (0: off)",
+    )
+    sec = p.add_argument_group("security")
+    sec.add_argument(
+        "--auth-token-file",
+        default=_env("AUTH_TOKEN_FILE"),
+        help="bearer token file (else EXPERTD_AUTH_TOKEN; neither: no auth)",
+    )
+    sec.add_argument("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM)")
+    sec.add_argument("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM)")
+    sec.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA"),
+        help="require client certs signed by this CA",
+    )
 
 
 def _resolve_device(name: str) -> str:
@@ -63,6 +104,7 @@ def cmd_serve(args) -> int:
 
     from expertd.server.app import serve
     from expertd.server.config import ServerConfig, parse_expert_list
+    from expertd.server.security import load_token
 
     if bool(args.checkpoint) == bool(args.synthetic):
         print(
@@ -86,8 +128,20 @@ def cmd_serve(args) -> int:
         backend=args.backend,
         max_tokens=args.max_tokens,
         max_top_k=args.max_top_k,
+        max_inflight=args.max_inflight,
+        max_queue_requests=args.max_queue_requests,
+        max_queue_tokens=args.max_queue_tokens,
         grace_s=args.grace,
         torch_threads=args.torch_threads,
+        batch_window_us=args.batch_window_us,
+        max_batch_tokens=args.max_batch_tokens,
+        graph_max_tokens=args.graph_max_tokens,
+        max_batch_requests=args.max_batch_requests,
+        auth_token=load_token(args.auth_token_file),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics_port=args.metrics_port,
     )
 
     def announce(address: str) -> None:  # one machine-readable line for launchers
@@ -194,11 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from expertd.logs import setup_logging
+
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     handler = {
         "serve": cmd_serve,
         "make-checkpoint": cmd_make_checkpoint,

@@ -22,6 +22,7 @@ from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
 from expertd.server.metrics import Metrics
 from expertd.server.oip import InferenceServicer
+from expertd.server.runner import BatchRunner
 from expertd.server.security import BearerAuthInterceptor, server_credentials
 from expertd.server.service import ExpertServicer
 from expertd.server.validate import Limits
@@ -53,8 +54,8 @@ class RunningServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def attach(self, bank: ExpertBank) -> None:
-        self.servicer.attach(bank)
+    async def attach(self, bank: ExpertBank, runner: BatchRunner) -> None:
+        self.servicer.attach(bank, runner)
         await self.set_serving(True)
 
     async def drain_and_stop(self, grace_s: float) -> None:
@@ -82,6 +83,7 @@ def batch_policy(config: ServerConfig) -> BatchPolicy:
     return BatchPolicy(
         window_s=config.batch_window_us / 1e6,
         max_batch_tokens=max(config.max_batch_tokens, config.max_tokens),
+        max_batch_requests=max(config.max_batch_requests, 1),
         max_queue_requests=config.max_queue_requests,
         max_queue_tokens=max(config.max_queue_tokens, config.max_tokens),
     )
@@ -132,18 +134,29 @@ def _bound(listen: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def _load_in_thread(config: ServerConfig, source: WeightSource) -> ExpertBank:
+def load_and_warm(
+    config: ServerConfig, source: WeightSource | None = None, bank: ExpertBank | None = None
+) -> tuple[ExpertBank, BatchRunner]:
+    """Load the experts (unless given) and warm up (CUDA graphs captured) before SERVING."""
+    if bank is None:
+        bank = ExpertBank.load(config, source=source)
+    runner = BatchRunner(bank, graph_max_tokens=config.graph_max_tokens)
+    runner.warmup()
+    return bank, runner
+
+
+async def _load_in_thread(config: ServerConfig, source: WeightSource):
     """Load on a daemon thread, so a SIGTERM during loading can still exit promptly."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
     def work() -> None:
         try:
-            bank = ExpertBank.load(config, source=source)
+            loaded = load_and_warm(config, source)
         except BaseException as e:
             loop.call_soon_threadsafe(_settle, done, None, e)
         else:
-            loop.call_soon_threadsafe(_settle, done, bank, None)
+            loop.call_soon_threadsafe(_settle, done, loaded, None)
 
     threading.Thread(target=work, name="expertd-load", daemon=True).start()
     return await done
@@ -183,8 +196,8 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
         await running.server.stop(0)
         return 1
     if loader.done():
-        bank = loader.result()
-        await running.attach(bank)
+        bank, runner = loader.result()
+        await running.attach(bank, runner)
         log.info(
             "serving %d layers x %d experts on %s (backend %s, %.1f MiB resident)",
             len(bank.info.layers),
@@ -213,14 +226,14 @@ class BackgroundServer:
         self._thread.start()
         if bank is None:
             bank = ExpertBank.load(config, progress=lambda _msg: None)
-        self.bank = bank
-        self._running: RunningServer = self._call(self._start(bank))
+        self.bank, runner = load_and_warm(config, bank=bank)
+        self._running: RunningServer = self._call(self._start(bank, runner))
         self.address = self._running.address
         self.port = self._running.port
 
-    async def _start(self, bank: ExpertBank) -> RunningServer:
+    async def _start(self, bank: ExpertBank, runner: BatchRunner) -> RunningServer:
         running = await start(self.config, bank.info.hidden_size)
-        await running.attach(bank)
+        await running.attach(bank, runner)
         return running
 
     def _call(self, coro, timeout: float | None = 60.0):

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from expertd import wire
-from expertd.server.bank import ExpertBank
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.validate import ForwardArgs, RequestError, invalid
@@ -44,15 +43,16 @@ class Job:
 class BatchPolicy:
     window_s: float = 0.0  # how long the oldest request may wait for company
     max_batch_tokens: int = 16384  # tokens per merged forward
+    max_batch_requests: int = 256  # requests per merged forward (1: no batching)
     max_queue_requests: int = 1024  # waiting requests before RESOURCE_EXHAUSTED
     max_queue_tokens: int = 65536  # waiting tokens before RESOURCE_EXHAUSTED
 
 
 class Batcher:
     def __init__(
-        self, bank: ExpertBank, compute: Executor, metrics: Metrics, policy: BatchPolicy
+        self, runner: BatchRunner, compute: Executor, metrics: Metrics, policy: BatchPolicy
     ) -> None:
-        self.runner = BatchRunner(bank)
+        self.runner = runner
         self.compute = compute
         self.metrics = metrics
         self.policy = policy
@@ -113,9 +113,11 @@ class Batcher:
         """Pop `layer`'s jobs in arrival order up to the token cap (at least one)."""
         batch, rest, tokens = [], deque(), 0
         for job in self._queue:
-            if job.args.layer == layer and (
-                not batch or tokens + job.tokens <= self.policy.max_batch_tokens
-            ):
+            fits = (
+                tokens + job.tokens <= self.policy.max_batch_tokens
+                and len(batch) < self.policy.max_batch_requests
+            )
+            if job.args.layer == layer and (not batch or fits):
                 batch.append(job)
                 tokens += job.tokens
             else:

@@ -34,6 +34,8 @@ class ServerConfig:
     # Batching: merge concurrent requests of one layer into one forward.
     batch_window_us: int = 0  # extra wait for company (0: merge only what is already queued)
     max_batch_tokens: int = 16384
+    max_batch_requests: int = 256  # 1 turns batching off
+    graph_max_tokens: int = 1024  # CUDA graphs for merged batches up to this many tokens (0: off)
     # Security: bearer token (from a file or EXPERTD_AUTH_TOKEN), TLS from PEM files.
     auth_token: str | None = None
     tls_cert: str | None = None

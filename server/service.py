@@ -20,6 +20,7 @@ import expertd
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job
 from expertd.server.metrics import Metrics
+from expertd.server.runner import BatchRunner
 from expertd.server.validate import Limits, RequestError, parse_forward
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
@@ -59,10 +60,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._shard = (shard_index, num_shards)
         self._instance = f"{time.time_ns():x}"
 
-    def attach(self, bank: ExpertBank) -> None:
-        """Start serving `bank` (on the event loop's thread)."""
+    def attach(self, bank: ExpertBank, runner: BatchRunner) -> None:
+        """Start serving `bank` through `runner` (on the event loop's thread)."""
         self.bank = bank
-        self.batcher = Batcher(bank, self._compute, self.metrics, self.policy)
+        self.batcher = Batcher(runner, self._compute, self.metrics, self.policy)
         self.batcher.start()
         self.metrics.resident_bytes.set(bank.resident_bytes)
         self.metrics.watch_device(bank.backend.device)

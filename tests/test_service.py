@@ -75,6 +75,8 @@ def test_result_on_callers_dtype_inputs(client, full_layers):
 
 
 def test_async_client_same_result(addresses, client):
+    # Concurrent calls are merged into one forward on each shard: the fp32 sums
+    # then run over other shapes, so bits may differ; the values may not.
     gen = torch.Generator().manual_seed(4)
     x = hidden(40, gen)
     ids, w = routing(40, gen)
@@ -86,7 +88,7 @@ def test_async_client_same_result(addresses, client):
         return outs
 
     for out in asyncio.run(go()):
-        assert torch.equal(out, want)
+        assert relative_error(out, want) <= 2e-3
 
 
 def test_describe_reports_shard(addresses):
