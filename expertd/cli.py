@@ -49,6 +49,11 @@ def _serve_parser(sub) -> None:
     run.add_argument(
         "--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="Prometheus port"
     )
+    run.add_argument(
+        "--health-listen",
+        default=_env("HEALTH_LISTEN"),
+        help="also serve grpc.health.v1 alone, in plaintext, here (for probes when TLS is on)",
+    )
     lim = p.add_argument_group("limits and batching")
     lim.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", 16384, int))
     lim.add_argument("--max-top-k", type=int, default=_env("MAX_TOP_K", 64, int))
@@ -142,6 +147,7 @@ def cmd_serve(args) -> int:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         metrics_port=args.metrics_port,
+        health_listen=args.health_listen,
     )
 
     def announce(address: str) -> None:  # one machine-readable line for launchers

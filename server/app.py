@@ -48,6 +48,8 @@ class RunningServer:
     port: int
     metrics: Metrics
     metrics_port: int | None = None
+    health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
+    health_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
@@ -63,6 +65,8 @@ class RunningServer:
         self.servicer.draining = True
         await self.set_serving(False)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.servicer.close()
         self.metrics.close()
 
@@ -123,6 +127,13 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     )
     if config.metrics_port is not None:
         running.metrics_port = metrics.serve(config.metrics_port)
+    if config.health_listen:
+        # Kubernetes' gRPC probes and most health checkers speak plaintext only: with TLS
+        # on the main port, serve grpc.health.v1 (and nothing else) here in the clear.
+        running.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
+        running.health_port = running.health_server.add_insecure_port(config.health_listen)
+        await running.health_server.start()
     await running.set_serving(False)
     return running
 

@@ -43,6 +43,7 @@ class ServerConfig:
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed
     # Observability.
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+    health_listen: str | None = None  # extra plaintext grpc.health.v1-only address
 
     def source(self) -> str:
         if self.synthetic:

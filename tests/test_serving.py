@@ -273,12 +273,20 @@ def test_tls_and_mutual_tls(bank0, pki):
                 pb_grpc.ExpertServiceStub(ch).Describe(pb.DescribeRequest(), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     files["tls_client_ca"] = str(pki / "ca.pem")
+    files["health_listen"] = "127.0.0.1:0"
     with BackgroundServer(shard_config(0, **files), bank=bank0) as server:
         with _secure(server.address, pki, cert="client") as ch:
             assert (
                 pb_grpc.ExpertServiceStub(ch).Describe(pb.DescribeRequest(), timeout=5).num_experts
                 == 64
             )
+        plain = f"127.0.0.1:{server._running.health_port}"  # probes without certificates
+        with grpc.insecure_channel(plain) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:  # health only: nothing else there
+                pb_grpc.ExpertServiceStub(ch).Describe(pb.DescribeRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         for cert in (None, "stranger"):  # no client certificate, or one from another CA
             with _secure(server.address, pki, cert=cert) as ch:
                 with pytest.raises(grpc.RpcError) as info:
