@@ -31,6 +31,7 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
+BTS = (8, 16, 24, 32, 48, 64)  # the compiled tile sizes (moe_nvfp4.cu)
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -204,7 +205,7 @@ def main() -> int:
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
         bt_us = {}
         if m <= args.bt_sweep_max:
-            for bt in (8, 16, 32, 64):
+            for bt in BTS:
                 g = GraphedForward(backend, state, m, TOP_K, bt=bt)
                 g.x.copy_(sets[0][0])
                 g.topk_ids.copy_(sets[0][1])
@@ -301,9 +302,9 @@ def main() -> int:
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
-        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in (8, 16, 32, 64)))
+        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in BTS))
         for r in sweep:
-            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in (8, 16, 32, 64)))
+            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in BTS))
     return 0
 
 

@@ -21,7 +21,7 @@ def main() -> int:
     state = backend.prepare(layer_gpu)
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for m, bt in ((1, 0), (5, 8), (33, 16), (70, 32), (130, 64), (150, 64)):
+    for m, bt in ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64)):
         ids = torch.stack([torch.randperm(preset.num_experts, generator=gen)[:8] for _ in range(m)])
         ids = ids.to(torch.int32)
         ids[0, 0] = -1

@@ -80,7 +80,7 @@ def test_forward_matches_reference(case, backend, m):
     _check(out, reference_forward(layer, x, ids, w), f"{preset.name} M={m}")
 
 
-@pytest.mark.parametrize("bt", [8, 16, 32, 64])
+@pytest.mark.parametrize("bt", [8, 16, 24, 32, 48, 64])
 def test_every_compiled_tile_size(case, backend, bt):
     preset, layer, state = case
     m = 97

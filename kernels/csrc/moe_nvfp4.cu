@@ -65,9 +65,12 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                                |                             |   (v4 tried one block per
 //      |                                |                             |   SM with a deeper ring:
 //      |                                |                             |   slower from M = 2 up)
-//   32 |                  1  4  2  2  5 |               1  4  2  2  5 | middle
-//   64 |                  2  4  1  2  4 |               2  4  1  2  4 | WM = 2: one ldmatrix of B
-//      |                                |                             |   feeds 4 MMAs
+//   24 |                  1  4  2  2  5 |               1  4  2  2  5 | middle: tiles sized to the
+//   32 |                  1  4  2  2  5 |               1  4  2  2  5 |   busiest expert (fewer
+//   48 |                  1  4  2  2  5 |               1  4  2  2  5 |   re-dequantized tiles)
+//   64 |                  2  4  1  2  3 |               2  4  1  2  3 | WM = 2: one ldmatrix of B
+//      |                                |                             |   feeds 4 MMAs; 3 stages so
+//      |                                |                             |   3 blocks fit per SM
 // Tried and dropped: BT = 128 with WM = 1 (2 MMAs per ldmatrix: slower than BT = 64 above at
 // every M) and with WM = 2 (255 registers, spills).
 // KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
@@ -75,8 +78,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 #define EXPERTD_FOR_EACH_CONFIG(X)           \
   X(8, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)          \
   X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)         \
+  X(24, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
-  X(64, 2, 4, 1, 2, 4, 2, 4, 1, 2, 4)
+  X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
+  X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -813,14 +818,16 @@ int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 5) return 8;
   if (lambda <= 12) return 16;
-  if (lambda <= 45) return 32;
+  if (lambda <= 20) return 24;
+  if (lambda <= 26) return 32;
+  if (lambda <= 45) return 48;
   return 64;
 }
 
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 32, 64}) {
+  for (int bt : {8, 16, 24, 32, 48, 64}) {
     Plan p = make_plan(m, top_k, h, el, bt);
     Carve c = carve(nullptr, p, m, top_k, h, inter);
     if (c.bytes > best) best = c.bytes;
@@ -846,7 +853,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
-  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 32, 64)");
+  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
