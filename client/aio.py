@@ -1,20 +1,29 @@
-"""AsyncExpertClient: the asyncio twin of ExpertClient (same routing, same sum).
+"""AsyncExpertClient: discovery, replicas and failover, fan-out, the sum.
 
-client = await AsyncExpertClient.connect(addresses)
-out = await client.forward(layer, hidden_states, topk_ids, topk_weights)
+    async with await AsyncExpertClient.connect(addresses, token=...) as client:
+        out = await client.forward(layer, hidden_states, topk_ids, topk_weights)
+
+This is the engine; ExpertClient runs it on a background event loop. Every call
+has one deadline: every attempt, backoff and probe fits inside it, so a call
+ends with the result or an error naming experts and addresses, never a hang
+and never a missing contribution.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import time
 
 import grpc
 import torch
 
-from expertd.client.core import CHANNEL_OPTIONS, combine, metadata_tuples, prepare_call
+from expertd.client.channels import TLS, call_metadata, metadata_tuples, open_channel
+from expertd.client.core import Inputs, Piece, combine, forward_request, stage_inputs, to_caller
 from expertd.client.errors import CoverageError, ShardCallError
-from expertd.client.routing import ShardInfo, Topology
+from expertd.client.replicas import RETRYABLE, Endpoint, Pool
+from expertd.client.routing import ShardPart, Topology, assign_owners, missing_experts, split_routes
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
@@ -27,47 +36,131 @@ class AsyncExpertClient:
         timeout: float = 30.0,
         discover_timeout: float = 5.0,
         metadata=None,
+        token: str | None = None,
+        tls: TLS | None = None,
+        max_attempts: int = 3,
+        retry_backoff: float = 0.01,
+        refresh_s: float = 10.0,
     ) -> None:
-        """Makes channels only; `await client.refresh()` (or `connect`) before forward."""
+        """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
+
+        max_attempts: replicas tried per shard and call (each at most once);
+        retry_backoff: first pause before a retry (doubles, jittered);
+        refresh_s: how often a live address is re-described."""
         if not addresses:
-            raise ValueError("AsyncExpertClient needs at least one address")
+            raise ValueError(f"{type(self).__name__} needs at least one address")
         self.addresses = list(dict.fromkeys(addresses))
         self.timeout = timeout
         self.discover_timeout = discover_timeout
+        self.max_attempts = max_attempts
+        self.retry_backoff = retry_backoff
         self._metadata = metadata_tuples(metadata)
-        self._channels = {
-            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses
-        }
-        self._stubs = {a: pb_grpc.ExpertServiceStub(c) for a, c in self._channels.items()}
-        self.unreachable: dict[str, str] = {}
+        self._token = token
+        endpoints = {}
+        for a in self.addresses:
+            channel = open_channel(a, tls)
+            endpoints[a] = Endpoint(a, channel, pb_grpc.ExpertServiceStub(channel))
+        self._pool = Pool(endpoints, refresh_s=refresh_s)
+        self._prober: asyncio.Task | None = None
+        self._turn = 0
         self.topology: Topology | None = None
 
     @classmethod
     async def connect(cls, addresses: list[str], **kwargs) -> AsyncExpertClient:
         client = cls(addresses, **kwargs)
-        await client.refresh()
+        try:
+            await client.refresh()
+        except BaseException:
+            await client.close()
+            raise
         return client
 
-    async def _describe(self, address: str, timeout: float):
+    @property
+    def unreachable(self) -> dict[str, str]:
+        """address -> why, for every address out of rotation now."""
+        return self._pool.down()
+
+    def stats(self) -> dict[str, dict]:
+        """Per address: alive, why not, calls in flight, calls answered, instance_id."""
+        return self._pool.stats()
+
+    # -- discovery and probing ---------------------------------------------------------
+
+    async def _describe(self, ep: Endpoint, timeout: float) -> bool:
+        """Describe one address; True when what it serves changed."""
+        md = call_metadata(self._metadata, self._token, None, None)
         try:
-            reply = await self._stubs[address].Describe(
-                pb.DescribeRequest(), timeout=timeout, metadata=self._metadata
-            )
-            return ShardInfo(address, reply)
+            info = await ep.stub.Describe(pb.DescribeRequest(), timeout=timeout, metadata=md)
         except grpc.RpcError as e:
-            return f"{e.code().name}: {e.details()}"
+            self._pool.mark_down(ep, f"{e.code().name}: {e.details()}")
+            return False
+        return self._pool.mark_up(ep, info)
+
+    async def _probe(self, endpoints: list[Endpoint], timeout: float) -> None:
+        changed = await asyncio.gather(*(self._describe(ep, timeout) for ep in endpoints))
+        if any(changed):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """A new topology from the last answers; an address that disagrees on the
+        model's shape is taken out of rotation (with why), never mixed in."""
+        known = {a: ep.info for a, ep in self._pool.endpoints.items() if ep.info is not None}
+        alive = [a for a in known if self._pool.endpoints[a].alive]
+        if not alive:
+            return
+        first = known[alive[0]]
+        want = (first.hidden_size, first.intermediate_size, first.num_experts)
+        for a, d in list(known.items()):
+            got = (d.hidden_size, d.intermediate_size, d.num_experts)
+            if got != want:
+                del known[a]
+                ep = self._pool.endpoints[a]
+                self._pool.mark_down(ep, f"(H, I, E) = {got}, but {alive[0]} has {want}")
+        self.topology = Topology.from_describe(known)
 
     async def refresh(self, timeout: float | None = None) -> Topology:
+        """Describe every address now and rebuild the map; starts background probing."""
         timeout = self.discover_timeout if timeout is None else timeout
-        answers = await asyncio.gather(*(self._describe(a, timeout) for a in self.addresses))
-        shards = [a for a in answers if isinstance(a, ShardInfo)]
-        self.unreachable = {
-            addr: a for addr, a in zip(self.addresses, answers, strict=True) if isinstance(a, str)
-        }
-        if not shards:
+        await self._probe(list(self._pool.endpoints.values()), timeout)
+        self._rebuild()
+        if self._prober is None:
+            self._prober = asyncio.ensure_future(self._probe_loop())
+        if self.topology is None or not any(ep.alive for ep in self._pool.endpoints.values()):
             raise CoverageError(-1, [], self.unreachable)
-        self.topology = Topology.from_shards(shards)
         return self.topology
+
+    async def _probe_loop(self, tick: float = 0.1) -> None:
+        """Re-describe addresses when due: dead ones with backoff, live ones every refresh_s."""
+        while True:
+            await asyncio.sleep(tick)
+            due = self._pool.due(time.monotonic())
+            if due:
+                await self._probe(due, self.discover_timeout)
+
+    # -- one call ----------------------------------------------------------------------
+
+    def prepare(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        timeout: float | None = None,
+        metadata=None,
+        request_id: str | None = None,
+        token: str | None = None,
+    ):
+        """Caller-side work (checks, host staging) -> (inputs, deadline, metadata).
+
+        timeout: seconds for the whole call (default: the client's); metadata: a
+        dict or pairs; request_id: sent as x-request-id (one is made up when
+        None); token: overrides the client's bearer token for this call."""
+        if self.topology is None:
+            raise RuntimeError("client has not discovered the shards yet: await refresh()")
+        inputs = stage_inputs(self.topology, hidden_states, topk_ids, topk_weights)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        md = call_metadata(self._metadata, token or self._token, request_id, metadata)
+        return inputs, deadline, md
 
     async def forward(
         self,
@@ -75,49 +168,115 @@ class AsyncExpertClient:
         hidden_states: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        *,
-        timeout: float | None = None,
-        metadata=None,
+        **options,
     ) -> torch.Tensor:
+        """-> bf16 [M, H] on hidden_states' device: the layer's expert output.
+
+        options: timeout, metadata, request_id, token (see `prepare`)."""
         if self.topology is None:
             await self.refresh()
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        try:
-            call = prepare_call(
-                self.topology, self.unreachable, layer, hidden_states, topk_ids, topk_weights
-            )
-        except CoverageError:
-            if not self.unreachable:
-                raise
-            await self.refresh(min(self.discover_timeout, max(deadline - time.monotonic(), 0.01)))
-            call = prepare_call(
-                self.topology, self.unreachable, layer, hidden_states, topk_ids, topk_weights
-            )
-        md = self._metadata + metadata_tuples(metadata)
-        shards = self.topology.shards
+        inputs, deadline, md = self.prepare(hidden_states, topk_ids, topk_weights, **options)
+        return to_caller(await self.execute(layer, inputs, deadline, md), inputs)
 
-        async def send(part, req):
-            address = shards[part.shard].address
-            try:
-                return await self._stubs[address].Forward(
-                    req, timeout=max(deadline - time.monotonic(), 0.001), metadata=md
-                )
-            except grpc.RpcError as e:
-                raise ShardCallError(address, layer, part.experts, e.code(), e.details()) from None
+    async def execute(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
+        """Route, fan out, sum -> bf16 [M, H] on the host."""
+        topo = self.topology
+        parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
+        if lost and await self._probe_owners(topo, layer, lost, deadline):
+            topo = self.topology  # a shard came back: plan again
+            parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
+        if lost:
+            raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
+        pieces = await _all(self._send(topo, layer, inputs, p, deadline, md) for p in parts)
+        return combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
 
-        tasks = [
-            asyncio.ensure_future(send(p, r))
-            for p, r in zip(call.parts, call.requests, strict=True)
+    def _plan(self, topo, layer, ids, weights, avoid=frozenset()):
+        """Split the routes over the shards with a live replica -> (parts, lost experts)."""
+        live = {
+            s
+            for s, shard in enumerate(topo.shards)
+            if s not in avoid and any(self._pool.endpoints[a].alive for a in shard.addresses)
+        }
+        self._turn += 1
+        owner = assign_owners(topo.candidates(layer, live), ids, self._turn)
+        return split_routes(owner, ids, weights), missing_experts(owner, ids)
+
+    async def _probe_owners(self, topo, layer, lost, deadline) -> bool:
+        """Before failing a call: look again at the dead addresses that might own
+        `lost` (only those whose backoff has passed, within the deadline)."""
+        now = time.monotonic()
+        names = self._owners(topo, layer, lost)
+        due = [
+            ep for a in names if not (ep := self._pool.endpoints[a]).alive and ep.next_probe <= now
         ]
-        try:
-            outputs = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-        return combine(call, self.topology.hidden_size, list(outputs))
+        if not due or deadline - now <= 0:
+            return False
+        await self._probe(due, min(self.discover_timeout, deadline - now))
+        return any(ep.alive for ep in due)
+
+    async def _send(self, topo, layer, inputs, part: ShardPart, deadline, md, depth=0):
+        """One shard's part -> [Piece]: a live replica, the next one on a retryable
+        failure; when the shard has none left, its routes go to other owners."""
+        request = forward_request(layer, inputs, part)
+        tried: dict[str, str] = {}
+        last, ep = None, None
+        while len(tried) < self.max_attempts:
+            ep = self._pool.pick(topo.shards[part.shard].addresses, tried)
+            remaining = deadline - time.monotonic()
+            if ep is None or remaining <= 0:
+                break
+            ep.outstanding += 1
+            try:
+                reply = await ep.stub.Forward(request, timeout=remaining, metadata=md)
+            except grpc.RpcError as e:
+                last = (ep.address, e.code(), e.details())
+                tried[ep.address] = f"{e.code().name}: {e.details()}"
+                if e.code() not in RETRYABLE:
+                    raise ShardCallError(*last[:1], layer, part.experts, *last[1:], tried) from None
+                self._pool.mark_down(ep, tried[ep.address])
+                pause = self.retry_backoff * 2 ** (len(tried) - 1) * random.uniform(0.5, 1.5)
+                await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+                continue
+            finally:
+                ep.outstanding -= 1
+            ep.calls += 1
+            return [Piece(part.shard, part.tokens, reply.output)]
+        if ep is None and time.monotonic() < deadline and depth < len(topo.shards):
+            subparts, lost = self._plan(topo, layer, part.topk_ids, part.topk_weights, {part.shard})
+            if not lost:  # redundant experts: their other owners take the routes
+                moved = [dataclasses.replace(p, tokens=part.tokens[p.tokens]) for p in subparts]
+                pieces = await _all(
+                    self._send(topo, layer, inputs, p, deadline, md, depth + 1) for p in moved
+                )
+                return [p for ps in pieces for p in ps]
+        address = last[0] if last else topo.shards[part.shard].addresses[0]
+        if time.monotonic() >= deadline:
+            why = f"deadline passed; last: {last[2]}" if last else "deadline passed before sending"
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            raise ShardCallError(address, layer, part.experts, code, why, tried or None)
+        if last is None:
+            raise CoverageError(
+                layer, part.experts, self._pool.down(self._owners(topo, layer, part.experts))
+            )
+        raise ShardCallError(address, layer, part.experts, last[1], last[2], tried)
+
+    def _owners(self, topo: Topology, layer: int, experts: list[int]) -> list[str]:
+        """Addresses that own any of `experts` for `layer`, or whose placement is unknown."""
+        wanted = set(experts)
+        known = {
+            a
+            for shard in topo.shards
+            if layer in shard.layers and wanted & set(shard.experts)
+            for a in shard.addresses
+        }
+        return [a for a, ep in self._pool.endpoints.items() if a in known or ep.info is None]
+
+    # -- lifetime ----------------------------------------------------------------------
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        if self._prober is not None:
+            self._prober.cancel()
+        await asyncio.gather(*(ep.channel.close() for ep in self._pool.endpoints.values()))
 
     async def __aenter__(self) -> AsyncExpertClient:
         if self.topology is None:
@@ -126,3 +285,13 @@ class AsyncExpertClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _all(coros):
+    """gather, but a failure cancels the siblings (their calls end at once)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,45 +1,53 @@
-"""What the sync and asyncio clients share: input checks, request building,
-and the fixed-order float32 sum of the shards' partial outputs."""
+"""What the sync and asyncio clients share outside the event loop: input
+checks, staging to and from the caller's device, and the fixed-order float32
+sum of the shards' partial outputs.
+
+CUDA inputs are copied into pinned host buffers (one stream sync for all
+three), and the result goes back from a pinned buffer with a non-blocking copy;
+on CPU nothing is pinned (pinning needs a CUDA driver).
+"""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from expertd import wire
-from expertd.client.errors import CoverageError
-from expertd.client.routing import ShardPart, Topology, missing_experts, split_routes
+from expertd.client.routing import ShardPart, Topology
 from expertd.v1 import expertd_pb2 as pb
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-]
-_request_ids = itertools.count(1)
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """One call's inputs, checked and on the host."""
+
+    x: torch.Tensor  # bf16 [M, H]
+    ids: torch.Tensor  # int32 [M, K]
+    weights: torch.Tensor  # float32 [M, K]
+    device: torch.device  # where the caller wants the result
+
+    @property
+    def pinned(self) -> bool:
+        return self.device.type == "cuda"
 
 
-@dataclass(slots=True)
-class Call:
-    """One forward, split: the parts and their requests, ready to send."""
-
-    layer: int
-    m: int
-    device: torch.device
-    parts: list[ShardPart]
-    requests: list[pb.ForwardRequest]
+def _to_host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.to(dtype).contiguous()
+    host = torch.empty(t.shape, dtype=dtype, pin_memory=t.device.type == "cuda")
+    host.copy_(t.to(dtype), non_blocking=True)
+    return host
 
 
-def prepare_call(
+def stage_inputs(
     topology: Topology,
-    unreachable: dict[str, str],
-    layer: int,
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-) -> Call:
-    """Check the inputs, route them, build one request per shard that has work."""
+) -> Inputs:
+    """Check shapes, dtypes and ids against the topology; copy to the host."""
     h = topology.hidden_size
     if hidden_states.dim() != 2 or hidden_states.shape[1] != h:
         raise ValueError(f"hidden_states: shape {tuple(hidden_states.shape)}, expected [M, {h}]")
@@ -52,48 +60,56 @@ def prepare_call(
         )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise ValueError(f"topk_ids: dtype {topk_ids.dtype}, expected an integer dtype")
-    device = hidden_states.device
-    x = hidden_states.detach().to("cpu", torch.bfloat16).contiguous()
-    ids = topk_ids.detach().to("cpu", torch.int32)
-    weights = topk_weights.detach().to("cpu", torch.float32)
+    x = _to_host(hidden_states, torch.bfloat16)
+    ids = _to_host(topk_ids, torch.int32)
+    weights = _to_host(topk_weights, torch.float32)
+    for t in (hidden_states, topk_ids, topk_weights):
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
+            break
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= topology.num_experts):
         raise ValueError(f"topk_ids: values must be in [-1, {topology.num_experts})")
-    if not any(layer in s.layers for s in topology.shards):
-        raise CoverageError(layer, sorted(set(ids[ids >= 0].tolist())), unreachable)
-    owner = topology.owner_table(layer)
-    lost = missing_experts(owner, ids)
-    if lost:
-        raise CoverageError(layer, lost, unreachable)
-    parts = split_routes(owner, ids, weights)
-    requests = [
-        pb.ForwardRequest(
-            layer=layer,
-            hidden_states=wire.encode(x[p.tokens]),
-            topk_ids=wire.encode(p.topk_ids),
-            topk_weights=wire.encode(p.topk_weights),
-            request_id=next(_request_ids),
-        )
-        for p in parts
-    ]
-    return Call(layer, m, device, parts, requests)
+    return Inputs(x, ids, weights, hidden_states.device)
 
 
-def combine(call: Call, hidden_size: int, outputs: list[pb.ForwardResponse]) -> torch.Tensor:
-    """Sum the partial outputs in float32, in shard order (independent of arrival order)."""
-    total = torch.zeros((call.m, hidden_size), dtype=torch.float32)
-    for part, resp in zip(call.parts, outputs, strict=True):
-        partial = wire.decode(resp.output, "output")
-        if tuple(partial.shape) != (part.tokens.numel(), hidden_size):
+def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        layer=layer,
+        hidden_states=wire.encode(inputs.x[part.tokens]),
+        topk_ids=wire.encode(part.topk_ids),
+        topk_weights=wire.encode(part.topk_weights),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One shard's answer: its partial output for some of the call's tokens."""
+
+    shard: int
+    tokens: torch.Tensor  # int64 [Ms]: rows of the call
+    output: pb.Tensor  # bf16 [Ms, H] on the wire
+
+
+def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tensor:
+    """Sum the partial outputs in float32 in shard order (independent of which
+    answers first), round once to bf16 -> [M, H] on the host (pinned for CUDA)."""
+    m = inputs.x.shape[0]
+    total = torch.zeros((m, hidden_size), dtype=torch.float32)
+    for piece in sorted(pieces, key=lambda p: p.shard):  # stable: same order every time
+        partial = wire.decode(piece.output, "output")
+        if tuple(partial.shape) != (piece.tokens.numel(), hidden_size):
             raise ValueError(
                 f"shard returned output of shape {list(partial.shape)}, "
-                f"expected [{part.tokens.numel()}, {hidden_size}]"
+                f"expected [{piece.tokens.numel()}, {hidden_size}]"
             )
-        total.index_add_(0, part.tokens, partial.float())
-    return total.to(torch.bfloat16).to(call.device)
+        total.index_add_(0, piece.tokens, partial.float())
+    out = torch.empty((m, hidden_size), dtype=torch.bfloat16, pin_memory=inputs.pinned)
+    return out.copy_(total)
 
 
-def metadata_tuples(metadata) -> list[tuple[str, str]]:
-    if not metadata:
-        return []
-    items = metadata.items() if isinstance(metadata, dict) else metadata
-    return [(str(k).lower(), str(v)) for k, v in items]
+def to_caller(out: torch.Tensor, inputs: Inputs, non_blocking: bool = True) -> torch.Tensor:
+    """The host result onto the caller's device: non-blocking from pinned memory
+    when run on the caller's thread (so the copy is ordered on its stream)."""
+    if inputs.device.type == "cpu":
+        return out
+    return out.to(inputs.device, non_blocking=non_blocking and inputs.pinned)

@@ -1,4 +1,5 @@
-"""Client errors: each names the experts and addresses involved."""
+"""Client errors: each names the layer, the experts and the addresses involved,
+so an operator reading one line knows what is missing and where to look."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ class ExpertdError(RuntimeError):
 
 
 class CoverageError(ExpertdError):
-    """Some routed experts are owned by no reachable shard: never a silent zero."""
+    """Some routed experts have no live owner: raised instead of a silent zero.
+
+    `unreachable` maps each address that might have served them (down, or never
+    described) to why it is out of rotation."""
 
     def __init__(self, layer: int, experts: list[int], unreachable: dict[str, str]) -> None:
         self.layer = layer
@@ -25,17 +29,34 @@ class CoverageError(ExpertdError):
 
 
 class ShardCallError(ExpertdError):
-    """A shard's Forward failed (its gRPC status is kept in `code`)."""
+    """A shard's Forward failed for good: a status that retrying cannot fix, the
+    deadline, or every replica tried. `code` is the last gRPC status, `attempts`
+    maps each address tried to its failure."""
 
-    def __init__(self, address: str, layer: int, experts: list[int], code, details: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        layer: int,
+        experts: list[int],
+        code,
+        details: str,
+        attempts: dict[str, str] | None = None,
+    ) -> None:
         self.address = address
         self.layer = layer
         self.experts = experts
         self.code = code
         self.details = details
+        self.attempts = attempts or {address: f"{getattr(code, 'name', code)}: {details}"}
         name = getattr(code, "name", str(code))
+        tried = (
+            "; tried " + ", ".join(f"{a} ({why})" for a, why in self.attempts.items())
+            if len(self.attempts) > 1
+            else ""
+        )
         super().__init__(
-            f"shard {address} failed layer {layer} (experts {_short(experts)}): {name}: {details}"
+            f"shard {address} failed layer {layer} (experts {_short(experts)}): "
+            f"{name}: {details}{tried}"
         )
 
 

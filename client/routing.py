@@ -1,5 +1,10 @@
 """Routing: which shard owns which expert, and what each shard is sent.
 
+A *shard* here is a set of replicas: the addresses whose Describe names the
+same experts and layers. An expert may also be owned by several shards (a
+redundant expert); each call then gives each such expert to exactly one of its
+live owners, the least loaded one by routes in that call.
+
 Shape legend: M tokens, K top_k, E experts, S shards, Ms / Ks a shard's share.
 """
 
@@ -13,64 +18,80 @@ from expertd.v1 import expertd_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
-class ShardInfo:
-    address: str
-    describe: pb.DescribeResponse
-
-    @property
-    def experts(self) -> list[int]:
-        return list(self.describe.experts)
-
-    @property
-    def layers(self) -> set[int]:
-        return set(self.describe.layers)
+class Shard:
+    experts: tuple[int, ...]
+    layers: frozenset[int]
+    addresses: tuple[str, ...]  # its replicas, in the order they were given
 
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """The model shape the shards agree on, and who owns what."""
+    """The model shape the servers agree on, and who owns what (a snapshot)."""
 
     hidden_size: int
     intermediate_size: int
     num_experts: int
     top_k: int
-    shards: tuple[ShardInfo, ...]
+    shards: tuple[Shard, ...]
 
     @classmethod
-    def from_shards(cls, shards: list[ShardInfo]) -> Topology:
-        if not shards:
+    def from_describe(cls, answers: dict[str, pb.DescribeResponse]) -> Topology:
+        """Group the answers (address -> Describe, in address order) into shards."""
+        if not answers:
             raise ValueError("no shard answered Describe")
-        first = shards[0].describe
-        for s in shards[1:]:
-            d = s.describe
+        (first_address, first), *rest = answers.items()
+        want = (first.hidden_size, first.intermediate_size, first.num_experts)
+        for address, d in rest:
             got = (d.hidden_size, d.intermediate_size, d.num_experts)
-            want = (first.hidden_size, first.intermediate_size, first.num_experts)
             if got != want:
                 raise ValueError(
-                    f"shards disagree on (H, I, E): {shards[0].address} has {want}, "
-                    f"{s.address} has {got}"
+                    f"shards disagree on (H, I, E): {first_address} has {want}, {address} has {got}"
                 )
-        return cls(
-            first.hidden_size,
-            first.intermediate_size,
-            first.num_experts,
-            max(s.describe.top_k for s in shards),
-            tuple(shards),
-        )
+        groups: dict[tuple, list[str]] = {}
+        for address, d in answers.items():
+            groups.setdefault((tuple(d.experts), frozenset(d.layers)), []).append(address)
+        shards = tuple(Shard(e, ls, tuple(a)) for (e, ls), a in groups.items())
+        top_k = max(d.top_k for d in answers.values())
+        return cls(*want, top_k, shards)
 
-    def owner_table(self, layer: int) -> torch.Tensor:
-        """int64 [E + 1]: shard index owning each expert for `layer`, -1 if none.
+    def candidates(self, layer: int, live: set[int]) -> torch.Tensor:
+        """bool [S, E + 1]: shard s serves `layer`, owns the expert and has a live replica."""
+        table = torch.zeros((len(self.shards), self.num_experts + 1), dtype=torch.bool)
+        for s, shard in enumerate(self.shards):
+            if s in live and layer in shard.layers:
+                table[s, list(shard.experts)] = True
+        return table
 
-        Index E (where id -1 lands) is -1. When several shards own an expert,
-        the first listed owns it here.
-        """
-        owner = torch.full((self.num_experts + 1,), -1, dtype=torch.int64)
-        for index in reversed(range(len(self.shards))):
-            shard = self.shards[index]
-            if layer in shard.layers:
-                owner[torch.tensor(shard.experts, dtype=torch.int64)] = index
-        owner[self.num_experts] = -1
-        return owner
+
+def assign_owners(candidates: torch.Tensor, topk_ids: torch.Tensor, turn: int = 0) -> torch.Tensor:
+    """int64 [E + 1]: the one shard each expert's routes go to in this call, -1 if none.
+
+    An expert with one candidate goes to it; the redundant ones, busiest first,
+    go to their candidate with the fewest routes so far (ties rotate with
+    `turn`, so equal loads alternate between calls). Index E (id -1) is -1."""
+    num_shards, width = candidates.shape
+    ids = topk_ids.long()
+    counts = torch.bincount(ids[ids >= 0], minlength=width)  # [E + 1] routes per expert
+    how_many = candidates.sum(dim=0)
+    owner = torch.where(how_many > 0, candidates.int().argmax(dim=0), -1).long()
+    owner[-1] = -1
+    single = how_many == 1
+    load = torch.zeros(num_shards, dtype=torch.int64)
+    load.index_add_(0, owner[single], counts[single])
+    redundant = ((how_many > 1) & (counts > 0)).nonzero().squeeze(1)
+    for e in sorted(redundant.tolist(), key=lambda e: -int(counts[e])):
+        options = candidates[:, e].nonzero().squeeze(1).tolist()
+        best = min(options, key=lambda s: (int(load[s]), (s - turn) % num_shards))
+        owner[e] = best
+        load[best] += counts[e]
+    return owner
+
+
+def missing_experts(owner: torch.Tensor, topk_ids: torch.Tensor) -> list[int]:
+    """Routed experts (ids >= 0) that no shard owns."""
+    ids = topk_ids.long()
+    lost = ids[(ids >= 0) & (owner[ids % owner.numel()] < 0)]
+    return sorted(set(lost.tolist()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +103,12 @@ class ShardPart:
     experts: list[int]  # distinct experts of this part (for error messages)
 
 
-def route_owners(owner: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """int64 [M, K]: owning shard of each route, -1 for no route."""
-    return owner[topk_ids.long() % owner.numel()]
-
-
-def missing_experts(owner: torch.Tensor, topk_ids: torch.Tensor) -> list[int]:
-    """Routed experts (ids >= 0) that no shard owns."""
-    ids = topk_ids.long()
-    lost = ids[(ids >= 0) & (owner[ids % owner.numel()] < 0)]
-    return sorted(set(lost.tolist()))
-
-
 def split_routes(
     owner: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> list[ShardPart]:
     """One part per shard with >= 1 owned route: the tokens that have one, and
     only their routes to this shard, packed to the left ([Ms, Ks], -1 padded)."""
-    routes = route_owners(owner, topk_ids)  # [M, K]
+    routes = owner[topk_ids.long() % owner.numel()]  # [M, K]: owning shard, -1 = none
     parts = []
     for shard in sorted(set(routes[routes >= 0].tolist())):
         mine = routes == shard  # [M, K]

@@ -1,118 +1,121 @@
 """ExpertClient: the synchronous SDK.
 
-    with ExpertClient(["10.0.0.1:50051", "10.0.0.2:50051"]) as client:
+    with ExpertClient(["10.0.0.1:50051", "10.0.0.2:50051"], token=...) as client:
         out = client.forward(layer, hidden_states, topk_ids, topk_weights)
+        fut = client.submit(layer + 1, x2, ids2, w2)  # concurrent.futures.Future
+        out2 = fut.result()
 
-It asks every address `Describe`, builds the expert -> shard map from the
-answers, and for each call sends each shard only the tokens (and routes) it
-owns, all shards at once, then sums the partial outputs.
+It runs an AsyncExpertClient on a private event loop thread, so the sync and
+asyncio clients share one engine (routing, replicas, retries, probing). Input
+checks and device staging run on the caller's thread; the fan-out runs on the
+loop, where many calls from many threads are in flight at once over the same
+channels.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
+import threading
+from concurrent.futures import Future
 
-import grpc
 import torch
 
-from expertd.client.core import CHANNEL_OPTIONS, combine, metadata_tuples, prepare_call
-from expertd.client.errors import CoverageError, ShardCallError
-from expertd.client.routing import ShardInfo, Topology
-from expertd.v1 import expertd_pb2 as pb
-from expertd.v1 import expertd_pb2_grpc as pb_grpc
+from expertd.client.aio import AsyncExpertClient
+from expertd.client.core import to_caller
+from expertd.client.routing import Topology
 
 
 class ExpertClient:
-    def __init__(
-        self,
-        addresses: list[str],
-        *,
-        timeout: float = 30.0,
-        discover_timeout: float = 5.0,
-        metadata=None,
-    ) -> None:
+    def __init__(self, addresses: list[str], **options) -> None:
+        """Discovers the shards before returning (CoverageError when none answers).
+
+        options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
+        token, tls, max_attempts, retry_backoff, refresh_s)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
-        self.addresses = list(dict.fromkeys(addresses))
-        self.timeout = timeout
-        self.discover_timeout = discover_timeout
-        self._metadata = metadata_tuples(metadata)
-        self._channels = {
-            a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses
-        }
-        self._stubs = {a: pb_grpc.ExpertServiceStub(c) for a, c in self._channels.items()}
-        self.unreachable: dict[str, str] = {}
-        self.topology: Topology | None = None
-        self.refresh()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="expertd-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._client: AsyncExpertClient = self._run(
+                AsyncExpertClient.connect(addresses, **options)
+            )
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self._client.addresses
+
+    @property
+    def topology(self) -> Topology:
+        return self._client.topology
+
+    @property
+    def unreachable(self) -> dict[str, str]:
+        return self._client.unreachable
+
+    def stats(self) -> dict[str, dict]:
+        return self._client.stats()
 
     def refresh(self, timeout: float | None = None) -> Topology:
-        """Describe every address (concurrently) and rebuild the expert -> shard map."""
-        timeout = self.discover_timeout if timeout is None else timeout
-        futures = {
-            a: s.Describe.future(pb.DescribeRequest(), timeout=timeout, metadata=self._metadata)
-            for a, s in self._stubs.items()
-        }
-        shards, unreachable = [], {}
-        for address, fut in futures.items():
-            try:
-                shards.append(ShardInfo(address, fut.result()))
-            except grpc.RpcError as e:
-                unreachable[address] = f"{e.code().name}: {e.details()}"
-        self.unreachable = unreachable
-        if not shards:
-            raise CoverageError(-1, [], unreachable)
-        self.topology = Topology.from_shards(shards)
-        return self.topology
+        """Describe every address now and rebuild the expert -> shard map."""
+        return self._run(self._client.refresh(timeout))
 
-    def forward(
+    def submit(
         self,
         layer: int,
         hidden_states: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        *,
-        timeout: float | None = None,
-        metadata=None,
-    ) -> torch.Tensor:
-        """-> bf16 [M, H] on hidden_states' device: the layer's expert output."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        try:
-            call = prepare_call(
-                self.topology, self.unreachable, layer, hidden_states, topk_ids, topk_weights
-            )
-        except CoverageError:
-            if not self.unreachable:
-                raise
-            # A shard that was down may be back: look once more, within the deadline.
-            self.refresh(min(self.discover_timeout, max(deadline - time.monotonic(), 0.01)))
-            call = prepare_call(
-                self.topology, self.unreachable, layer, hidden_states, topk_ids, topk_weights
-            )
-        md = self._metadata + metadata_tuples(metadata)
-        shards = self.topology.shards
-        futures = [
-            self._stubs[shards[p.shard].address].Forward.future(
-                req, timeout=max(deadline - time.monotonic(), 0.001), metadata=md
-            )
-            for p, req in zip(call.parts, call.requests, strict=True)
-        ]
-        outputs = []
-        try:
-            for part, fut in zip(call.parts, futures, strict=True):
-                try:
-                    outputs.append(fut.result())
-                except grpc.RpcError as e:
-                    raise ShardCallError(
-                        shards[part.shard].address, layer, part.experts, e.code(), e.details()
-                    ) from None
-        finally:
-            for fut in futures:
-                fut.cancel()
-        return combine(call, self.topology.hidden_size, outputs)
+        **options,
+    ) -> Future:
+        """Start a forward; -> Future of the bf16 [M, H] result on hidden_states' device.
+
+        options: timeout, metadata, request_id, token (AsyncExpertClient.prepare).
+        Bad inputs raise here, at once; everything after (routing, replicas,
+        deadline) ends in the future."""
+        inputs, deadline, md = self._client.prepare(
+            hidden_states, topk_ids, topk_weights, **options
+        )
+        host = asyncio.run_coroutine_threadsafe(
+            self._client.execute(layer, inputs, deadline, md), self._loop
+        )
+        result: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.cancelled():
+                result.cancel()
+            elif f.exception() is not None:
+                result.set_exception(f.exception())
+            else:  # not the caller's thread or stream: a blocking copy to its device
+                result.set_result(to_caller(f.result(), inputs, non_blocking=False))
+
+        host.add_done_callback(done)
+        return result
+
+    def forward(self, layer: int, hidden_states, topk_ids, topk_weights, **kwargs) -> torch.Tensor:
+        """-> bf16 [M, H] on hidden_states' device: the layer's expert output.
+
+        kwargs: timeout (s), metadata, request_id (sent as x-request-id), token."""
+        return self.submit(layer, hidden_states, topk_ids, topk_weights, **kwargs).result()
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
 
     def __enter__(self) -> ExpertClient:
         return self

@@ -1,0 +1,98 @@
+"""Replica state: which addresses are in rotation, how busy each is, when to
+probe a dead one again. Touched only from the client's event loop, so no locks.
+
+An address leaves rotation on a failed call or Describe (UNAVAILABLE, refused
+connection, draining) and comes back when a probe's Describe answers; probes of
+a dead address back off exponentially (0.2 s doubling to `max_backoff`), and a
+live address is re-described every `refresh_s` so a restart with a new
+placement (new instance_id) is noticed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from expertd.v1 import expertd_pb2 as pb
+from expertd.v1 import expertd_pb2_grpc as pb_grpc
+
+# Statuses after which another replica may well succeed: the replica is down,
+# draining or its connection broke. Never the caller's mistake (INVALID_ARGUMENT,
+# NOT_FOUND, RESOURCE_EXHAUSTED...), never DEADLINE_EXCEEDED (the deadline is the call's).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.ExpertServiceStub
+    info: pb.DescribeResponse | None = None  # last Describe answer
+    alive: bool = False
+    why: str = "not described yet"  # why it is out of rotation
+    outstanding: int = 0  # Forward calls in flight
+    calls: int = 0  # Forward calls answered (for stats and tests)
+    failures: int = 0  # consecutive failures (drives the probe backoff)
+    next_probe: float = 0.0  # monotonic time of the next Describe
+
+
+@dataclass(slots=True)
+class Pool:
+    endpoints: dict[str, Endpoint]
+    refresh_s: float = 10.0
+    base_backoff: float = 0.2
+    max_backoff: float = 5.0
+    _turns: dict = field(default_factory=dict)  # per replica set: the tie-break rotation
+
+    def mark_up(self, ep: Endpoint, info: pb.DescribeResponse) -> bool:
+        """Back in rotation; True when what it serves (or its process) changed."""
+        changed = ep.info is None or not _same(ep.info, info) or not ep.alive
+        ep.info, ep.alive, ep.why, ep.failures = info, True, "", 0
+        ep.next_probe = time.monotonic() + self.refresh_s
+        return changed
+
+    def mark_down(self, ep: Endpoint, why: str) -> None:
+        ep.alive, ep.why = False, why
+        ep.failures += 1
+        backoff = min(self.base_backoff * 2 ** (ep.failures - 1), self.max_backoff)
+        ep.next_probe = time.monotonic() + backoff
+
+    def due(self, now: float) -> list[Endpoint]:
+        return [ep for ep in self.endpoints.values() if ep.next_probe <= now]
+
+    def pick(self, addresses: tuple[str, ...], exclude) -> Endpoint | None:
+        """The live replica with the fewest calls in flight (ties rotate)."""
+        turn = self._turns[addresses] = self._turns.get(addresses, -1) + 1
+        live = [
+            (ep.outstanding, (i - turn) % len(addresses), ep)
+            for i, a in enumerate(addresses)
+            if (ep := self.endpoints[a]).alive and a not in exclude
+        ]
+        return min(live, key=lambda t: t[:2])[2] if live else None
+
+    def down(self, addresses=None) -> dict[str, str]:
+        """address -> why, for those out of rotation (of `addresses`, or all)."""
+        names = self.endpoints if addresses is None else addresses
+        return {a: self.endpoints[a].why for a in names if not self.endpoints[a].alive}
+
+    def stats(self) -> dict[str, dict]:
+        return {
+            a: {
+                "alive": ep.alive,
+                "why": ep.why,
+                "outstanding": ep.outstanding,
+                "calls": ep.calls,
+                "instance_id": ep.info.instance_id if ep.info else "",
+            }
+            for a, ep in self.endpoints.items()
+        }
+
+
+def _same(a: pb.DescribeResponse, b: pb.DescribeResponse) -> bool:
+    return (a.instance_id, list(a.experts), list(a.layers)) == (
+        b.instance_id,
+        list(b.experts),
+        list(b.layers),
+    )
