@@ -1,0 +1,35 @@
+"""CPU checks of the kernel build glue (no nvcc needed): the ninja file, the cache key and the
+environment overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from expertd.kernels import build
+
+
+def test_ninja_file_targets_sm90a_and_every_source(tmp_path):
+    text = build._ninja_file("/opt/cuda/bin/nvcc", tmp_path)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in text
+    assert "--shared" in text and "-Xcompiler=-fPIC" in text
+    for src in build.SOURCES:
+        assert str(build.CSRC / src) in text
+    assert f"build {tmp_path / build.LIB_NAME}: nvcc_so" in text
+
+
+def test_cache_dir_and_prebuilt_library_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPERTD_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert build.cache_dir() == (tmp_path / "cache").resolve()
+    lib = tmp_path / "prebuilt.so"
+    monkeypatch.setenv("EXPERTD_KERNEL_LIB", str(lib))
+    assert build.library_path() == Path(lib)
+
+
+def test_cache_key_depends_on_sources_and_flags(tmp_path, monkeypatch):
+    fake_nvcc = tmp_path / "nvcc"
+    fake_nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    fake_nvcc.chmod(0o755)
+    key = build.build_key(str(fake_nvcc))
+    assert key == build.build_key(str(fake_nvcc))  # stable
+    monkeypatch.setattr(build, "NVCC_FLAGS", (*build.NVCC_FLAGS, "-DEXTRA"))
+    assert build.build_key(str(fake_nvcc)) != key
