@@ -67,7 +67,9 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                                |                             |   slower from M = 2 up)
 //   24 |                  1  4  2  2  5 |               1  4  2  2  5 | middle: tiles sized to the
 //   32 |                  1  4  2  2  5 |               1  4  2  2  5 |   busiest expert (fewer
-//   48 |                  1  4  2  2  5 |               1  4  2  2  5 |   re-dequantized tiles)
+//   48 |                  1  4  2  2  5 |               1  4  2  2  5 |   re-dequantized tiles);
+//      |                                |                             |   16 and 48 are not picked
+//      |                                |                             |   now (bt= override only)
 //   64 |                  2  4  1  2  3 |               2  4  1  2  3 | WM = 2: one ldmatrix of B
 //      |                                |                             |   feeds 4 MMAs; 3 stages so
 //      |                                |                             |   3 blocks fit per SM
@@ -811,16 +813,15 @@ struct ExpertdMoeArgs {
 const char* expertd_last_error(void) { return g_error; }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
-// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, 2026-11-29): BT = 8 wins to lambda = 4,
-// 16 at 8, 32 from 16 to 32, 64 from 64. Small tiles cost re-dequantizing an expert for every
-// extra tile, large ones cost MMAs on padding (compute-bound above lambda ~ 32).
+// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29):
+// BT = 8 wins to lambda = 4 (M = 128), 24 at 8-16 (16 ties at 8), 32 at 32, 64 from 64; 48 was
+// never best. Small tiles cost re-dequantizing an expert for every extra tile, large ones cost
+// MMAs on padding (compute-bound above lambda ~ 32).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 5) return 8;
-  if (lambda <= 12) return 16;
   if (lambda <= 20) return 24;
-  if (lambda <= 26) return 32;
-  if (lambda <= 45) return 48;
+  if (lambda <= 45) return 32;
   return 64;
 }
 
