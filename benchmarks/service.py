@@ -267,6 +267,8 @@ def main() -> int:
         args.device,
         "--log-level",
         "WARNING",
+        "--torch-threads",
+        "2",
         "--max-tokens",
         str(max(16384, max(ms))),
     ]

@@ -24,6 +24,7 @@ from expertd.client.core import Inputs, Piece, combine, forward_request, stage_i
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import RETRYABLE, Endpoint, Pool
 from expertd.client.routing import ShardPart, Topology, assign_owners, missing_experts, split_routes
+from expertd.client.stream import ForwardStream
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
@@ -41,12 +42,18 @@ class AsyncExpertClient:
         max_attempts: int = 3,
         retry_backoff: float = 0.01,
         refresh_s: float = 10.0,
+        transport: str = "stream",
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
         max_attempts: replicas tried per shard and call (each at most once);
         retry_backoff: first pause before a retry (doubles, jittered);
-        refresh_s: how often a live address is re-described."""
+        refresh_s: how often a live address is re-described;
+        transport: "stream" (calls multiplexed over one ForwardStream per replica: the
+        faster, see client/stream.py) or "unary" (one Forward RPC per shard and call)."""
+        if transport not in ("stream", "unary"):
+            raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
+        self.transport = transport
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one address")
         self.addresses = list(dict.fromkeys(addresses))
@@ -56,6 +63,10 @@ class AsyncExpertClient:
         self.retry_backoff = retry_backoff
         self._metadata = metadata_tuples(metadata)
         self._token = token
+        # A stream's metadata is fixed when it opens: the client's own and its token.
+        self._stream_md = tuple(
+            kv for kv in call_metadata(self._metadata, token, "-", None) if kv[0] != "x-request-id"
+        )
         endpoints = {}
         for a in self.addresses:
             channel = open_channel(a, tls)
@@ -227,7 +238,7 @@ class AsyncExpertClient:
                 break
             ep.outstanding += 1
             try:
-                reply = await ep.stub.Forward(request, timeout=remaining, metadata=md)
+                reply = await self._forward_rpc(ep, request, remaining, md)
             except grpc.RpcError as e:
                 last = (ep.address, e.code(), e.details())
                 tried[ep.address] = f"{e.code().name}: {e.details()}"
@@ -260,6 +271,17 @@ class AsyncExpertClient:
             )
         raise ShardCallError(address, layer, part.experts, last[1], last[2], tried)
 
+    async def _forward_rpc(self, ep: Endpoint, request, timeout: float, md) -> pb.ForwardResponse:
+        """One Forward on the stream, or unary when asked to (or when this call's
+        metadata differs from the stream's: a per-call token or extra metadata)."""
+        call_md = tuple(kv for kv in md if kv[0] != "x-request-id")
+        if self.transport == "stream" and call_md == self._stream_md:
+            if ep.stream is None:
+                ep.stream = ForwardStream(ep.stub, self._stream_md)
+            request.trace_id = dict(md).get("x-request-id", "")
+            return await ep.stream.forward(request, timeout)
+        return await ep.stub.Forward(request, timeout=timeout, metadata=md)
+
     def _owners(self, topo: Topology, layer: int, experts: list[int]) -> list[str]:
         """Addresses that own any of `experts` for `layer`, or whose placement is unknown."""
         wanted = set(experts)
@@ -276,6 +298,9 @@ class AsyncExpertClient:
     async def close(self) -> None:
         if self._prober is not None:
             self._prober.cancel()
+        for ep in self._pool.endpoints.values():
+            if ep.stream is not None:
+                ep.stream.close()
         await asyncio.gather(*(ep.channel.close() for ep in self._pool.endpoints.values()))
 
     async def __aenter__(self) -> AsyncExpertClient:

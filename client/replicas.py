@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from expertd.client.stream import ForwardStream
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
@@ -36,6 +37,7 @@ class Endpoint:
     calls: int = 0  # Forward calls answered (for stats and tests)
     failures: int = 0  # consecutive failures (drives the probe backoff)
     next_probe: float = 0.0  # monotonic time of the next Describe
+    stream: ForwardStream | None = None  # the multiplexed ForwardStream, opened on first use
 
 
 @dataclass(slots=True)

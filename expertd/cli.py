@@ -117,8 +117,14 @@ def cmd_serve(args) -> int:
             file=sys.stderr,
         )
         return 2
+    device = _resolve_device(args.device)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    elif device.startswith("cuda"):
+        # The host side of a GPU shard is copies and small ops: a few threads do. torch's
+        # default (one per core, spinning after each parallel op) starves the other shard
+        # processes of the host, and with them their kernel launches.
+        torch.set_num_threads(min(4, torch.get_num_threads()))
     config = ServerConfig(
         checkpoint=args.checkpoint,
         synthetic=args.synthetic,
@@ -129,7 +135,7 @@ def cmd_serve(args) -> int:
         num_shards=args.num_shards,
         experts=parse_expert_list(args.experts) if args.experts else None,
         listen=args.listen,
-        device=_resolve_device(args.device),
+        device=device,
         backend=args.backend,
         max_tokens=args.max_tokens,
         max_top_k=args.max_top_k,

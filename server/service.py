@@ -30,6 +30,12 @@ log = logging.getLogger("expertd.server")
 STREAM_WINDOW = 64  # requests of one stream in flight at once
 
 
+def _quiet(task: asyncio.Task) -> None:
+    """Retrieve a finished task's outcome so asyncio does not log it as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 def request_id_of(context, fallback: int = 0) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id":
@@ -52,13 +58,35 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.metrics = metrics
         self.bank: ExpertBank | None = None  # None while loading
         self.batcher: Batcher | None = None
-        self.draining = False
+        self._drain = asyncio.Event()  # set when draining starts: open streams end
+        self._loop = asyncio.get_event_loop()
         self.max_inflight = max_inflight
         self._inflight = 0
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-compute")
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
         self._instance = f"{time.time_ns():x}"
+
+    @property
+    def draining(self) -> bool:
+        return self._drain.is_set()
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        """Start (or stop) draining: new calls are refused, open streams end."""
+        change = self._drain.set if value else self._drain.clear
+        try:
+            running = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            running = False
+        if running:
+            change()
+        else:  # from another thread (embedding, tests): done when this returns
+
+            async def apply() -> None:
+                change()
+
+            asyncio.run_coroutine_threadsafe(apply(), self._loop).result(10)
 
     def attach(self, bank: ExpertBank, runner: BatchRunner) -> None:
         """Start serving `bank` through `runner` (on the event loop's thread)."""
@@ -144,6 +172,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 self._count("ForwardStream", grpc.StatusCode.OK)
             except RequestError as e:
                 self._count("ForwardStream", e.code)
+                log.info(
+                    "refused request %s: %s: %s",
+                    req.trace_id or req.request_id,
+                    e.code.name,
+                    e.message,
+                    extra={"request_id": req.trace_id or str(req.request_id)},
+                )
                 resp = pb.ForwardResponse(
                     request_id=req.request_id,
                     error=pb.Error(code=e.code.value[0], message=e.message),
@@ -160,11 +195,30 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             await results.put(resp)
 
         async def read() -> None:
-            async for req in request_iterator:
-                await window.acquire()
-                task = asyncio.ensure_future(one(req))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            # Until the client half-closes, or the server starts draining: then the
+            # requests already read finish, and the stream ends (OK), so a client
+            # holding a stream open does not hold up shutdown; what it sends after
+            # that is never read, and it retries those elsewhere.
+            requests = aiter(request_iterator)
+            draining = asyncio.ensure_future(self._drain.wait())
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(anext(requests))
+                    nxt.add_done_callback(_quiet)
+                    await asyncio.wait({nxt, draining}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        nxt.cancel()
+                        break
+                    try:
+                        req = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    await window.acquire()
+                    task = asyncio.ensure_future(one(req))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                draining.cancel()
             while tasks:
                 await asyncio.gather(*list(tasks))
             await results.put(None)

@@ -94,7 +94,9 @@ def call(client, **kwargs):
 
 def test_token_request_id_and_metadata_on_the_wire(fakes):
     fake = fakes[0]
-    with ExpertClient([fake.address], token="s3cret", metadata={"X-Tenant": "a"}) as client:
+    # The fake shard answers unary Forward only: these tests look at unary metadata.
+    md = {"X-Tenant": "a"}
+    with ExpertClient([fake.address], token="s3cret", metadata=md, transport="unary") as client:
         assert call(client, request_id="req-42").shape == (2, H)
         call(client, token="other", metadata=[("x-trace", "t1")])
     describe = next(md for method, md in fake.calls if method == "Describe")
@@ -107,7 +109,7 @@ def test_token_request_id_and_metadata_on_the_wire(fakes):
 
 
 def test_unavailable_goes_to_the_other_replica(fakes):
-    with ExpertClient([f.address for f in fakes], timeout=5) as client:
+    with ExpertClient([f.address for f in fakes], timeout=5, transport="unary") as client:
         assert len(client.topology.shards) == 1  # same experts and layers: replicas
         fakes[0].fail_with = grpc.StatusCode.UNAVAILABLE
         for _ in range(3):
@@ -118,7 +120,7 @@ def test_unavailable_goes_to_the_other_replica(fakes):
 
 
 def test_caller_errors_are_not_retried(fakes):
-    with ExpertClient([f.address for f in fakes], timeout=5) as client:
+    with ExpertClient([f.address for f in fakes], timeout=5, transport="unary") as client:
         for fake in fakes:
             fake.fail_with = grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(ShardCallError) as info:
@@ -153,7 +155,7 @@ def test_mutual_tls_with_server_name_override(tmp_path):
     try:
         tls = TLS(tmp_path / "ca.pem", tmp_path / "client.key", tmp_path / "client.pem",
                   server_name="expertd.test")  # fmt: skip
-        with ExpertClient([fake.address], tls=tls, timeout=5) as client:
+        with ExpertClient([fake.address], tls=tls, timeout=5, transport="unary") as client:
             assert (call(client) == 0).all()
         with pytest.raises(CoverageError, match=fake.address):  # no client certificate
             ExpertClient([fake.address], tls=TLS(read("ca.pem"), server_name="expertd.test"),
