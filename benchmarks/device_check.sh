@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the device machine: install, build, GPU tests, sanitizers, benchmark.
 # Logs, JSON and PNG land under $OUT; a short table is printed last.
-#   bash benchmarks/device_check.sh [tests|sanitize|bench|all] [benchmark args...]
+#   bash benchmarks/device_check.sh [tests|sanitize|bench|server|service|all] [benchmark args...]
+# (comma lists work: tests,server,service). Carry .whl (grpcio-health-checking and
+# grpcio-reflection 1.84 wheels, missing on the device image) and .carry (kernel cache).
 # A prebuilt kernel cache carried in .carry/kernels is used when its key matches (same sources,
 # flags and nvcc); otherwise the library is rebuilt there (a few seconds).
 set -u -o pipefail
@@ -12,6 +14,10 @@ export PYTHONUNBUFFERED=1
 export EXPERTD_KERNEL_CACHE=${EXPERTD_KERNEL_CACHE:-$PWD/.carry/kernels}
 summary=()
 
+if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio-health-checking / -reflection 1.84 (not on the image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { echo "pip install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -38,6 +44,19 @@ if [[ $what == all || $what == *sanitize* ]]; then
     tail -4 "$OUT/sanitize-$tool.log"
     summary+=("$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)")
   done
+fi
+if [[ $what == all || $what == *server* ]]; then
+  # The shard server with the cuda backend behind real gRPC (graphs and eager), vs float64.
+  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py >"$OUT/server-tests.log" 2>&1
+  rc=$?
+  grep -E "rel err" "$OUT/server-tests.log"
+  tail -3 "$OUT/server-tests.log"
+  summary+=("server tests: rc=$rc $(tail -1 "$OUT/server-tests.log")")
+fi
+if [[ $what == all || $what == *service* ]]; then
+  # 8 shard processes on this one GPU + the real client: end to end, transport, batching.
+  timeout ${T_SERVICE:-420} python3 benchmarks/service.py --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/service.log" | tail -24
+  summary+=("service: rc=$?")
 fi
 if [[ $what == *profile* ]]; then
   # Per-kernel speed-of-light, occupancy and stall reasons at M = 1 and M = 256 (ncu reads the
