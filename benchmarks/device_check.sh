@@ -47,7 +47,7 @@ if [[ $what == all || $what == *sanitize* ]]; then
 fi
 if [[ $what == all || $what == *server* ]]; then
   # The shard server with the cuda backend behind real gRPC (graphs and eager), vs float64.
-  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py >"$OUT/server-tests.log" 2>&1
+  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py tests/test_cuda_client.py >"$OUT/server-tests.log" 2>&1
   rc=$?
   grep -E "rel err" "$OUT/server-tests.log"
   tail -3 "$OUT/server-tests.log"
