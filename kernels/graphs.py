@@ -30,6 +30,7 @@ class _Bucket:
     ids: torch.Tensor  # int32 [m, K]
     weights: torch.Tensor  # fp32 [m, K]
     out: torch.Tensor  # bf16 [m, H]
+    bad: torch.Tensor  # bool [m]: the row's inputs hold NaN/Inf (checked inside the graph)
 
 
 class GraphBank:
@@ -48,6 +49,7 @@ class GraphBank:
                 torch.full((m, top_k), -1, dtype=torch.int32, device=self.device),
                 torch.zeros((m, top_k), dtype=torch.float32, device=self.device),
                 torch.zeros((m, hidden_size), dtype=torch.bfloat16, device=self.device),
+                torch.zeros((m,), dtype=torch.bool, device=self.device),
             )
             for m in self.buckets
         }
@@ -62,12 +64,19 @@ class GraphBank:
             for m in self.buckets:
                 b = self._static[m]
                 self._keep.append(self.backend.reserve(state, self.buckets[-1], self.top_k))
-                self.backend.forward_into(state, b.x, b.ids, b.weights, b.out)  # warm-up
+                self._body(state, b)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    self.backend.forward_into(state, b.x, b.ids, b.weights, b.out)
+                    self._body(state, b)
                 self._graphs[(layer, m)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _body(self, state, b: _Bucket) -> None:
+        """What a replay runs: the forward, and the finite check of its inputs (one
+        launch for all of it instead of a handful more after the replay)."""
+        self.backend.forward_into(state, b.x, b.ids, b.weights, b.out)
+        finite = torch.isfinite(b.x).all(dim=1) & torch.isfinite(b.weights).all(dim=1)
+        torch.logical_not(finite, out=b.bad)
 
     def bucket_for(self, m: int, top_k: int) -> int | None:
         if top_k > self.top_k or m > self.buckets[-1]:
@@ -85,8 +94,9 @@ class GraphBank:
         b.weights.zero_()
         return b.x[:m], b.ids[:m, :k], b.weights[:m, :k]
 
-    def replay(self, layer: int, m: int, k: int) -> torch.Tensor:
-        """Run the graph `stage` prepared; a view [m, H] of its output."""
+    def replay(self, layer: int, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the graph `stage` prepared -> views (out [m, H], bad [m])."""
         bucket = self.bucket_for(m, k)
         self._graphs[(layer, bucket)].replay()
-        return self._static[bucket].out[:m]
+        b = self._static[bucket]
+        return b.out[:m], b.bad[:m]
