@@ -107,6 +107,19 @@ def per_shard_requests(preset, shards: int, x, ids, w):
     return reqs
 
 
+def shard0_request(preset, m: int, gen) -> pb.ForwardRequest:
+    """M tokens with 2 routes each, all to experts of shard 0 of 8."""
+    owned = torch.tensor(shard_experts(preset.num_experts, 0, 8), dtype=torch.int32)
+    ids = owned[torch.randint(0, owned.numel(), (m, 2), generator=gen)]
+    x = torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
+    return pb.ForwardRequest(
+        layer=0,
+        hidden_states=wire.encode(x),
+        topk_ids=wire.encode(ids),
+        topk_weights=wire.encode(torch.rand((m, 2), generator=gen)),
+    )
+
+
 def sweep(addresses, preset, ms, reps):
     gen = torch.Generator().manual_seed(0)
     stubs = [
@@ -152,21 +165,10 @@ def sweep(addresses, preset, ms, reps):
 def unary_vs_stream(address, preset, ms, reps):
     gen = torch.Generator().manual_seed(1)
     out = []
-    owned = shard_experts(preset.num_experts, 0, 8)
     with grpc.insecure_channel(address, options=OPTIONS) as ch:
         stub = pb_grpc.ExpertServiceStub(ch)
         for m in ms:
-            ids = torch.tensor(owned, dtype=torch.int32)[
-                torch.randint(0, len(owned), (m, 2), generator=gen)
-            ]
-            req = pb.ForwardRequest(
-                layer=0,
-                hidden_states=wire.encode(
-                    torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
-                ),
-                topk_ids=wire.encode(ids),
-                topk_weights=wire.encode(torch.rand((m, 2), generator=gen)),
-            )
+            req = shard0_request(preset, m, gen)
             stub.Forward(req, timeout=60)
             unary = []
             for _ in range(reps):
@@ -214,18 +216,7 @@ def stream_round_trips(stub, req: pb.ForwardRequest, reps: int) -> list[float]:
 def throughput(address, preset, m, clients, seconds):
     """Tokens/s of `clients` threads hammering one shard with M-token requests."""
     gen = torch.Generator().manual_seed(2)
-    owned = shard_experts(preset.num_experts, 0, 8)
-    ids = torch.tensor(owned, dtype=torch.int32)[
-        torch.randint(0, len(owned), (m, 2), generator=gen)
-    ]
-    req = pb.ForwardRequest(
-        layer=0,
-        hidden_states=wire.encode(
-            torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
-        ),
-        topk_ids=wire.encode(ids),
-        topk_weights=wire.encode(torch.rand((m, 2), generator=gen)),
-    )
+    req = shard0_request(preset, m, gen)
     stop = time.perf_counter() + seconds
     counts = [0] * clients
 
