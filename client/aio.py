@@ -274,6 +274,9 @@ class AsyncExpertClient:
     async def _forward_rpc(self, ep: Endpoint, request, timeout: float, md) -> pb.ForwardResponse:
         """One Forward on the stream, or unary when asked to (or when this call's
         metadata differs from the stream's: a per-call token or extra metadata)."""
+        # The server refuses a request routed for another of its lives (a restart,
+        # maybe with another placement) instead of skipping routes it lost.
+        request.instance_id = ep.info.instance_id if ep.info is not None else ""
         call_md = tuple(kv for kv in md if kv[0] != "x-request-id")
         if self.transport == "stream" and call_md == self._stream_md:
             if ep.stream is None:

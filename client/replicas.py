@@ -20,9 +20,17 @@ from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
 # Statuses after which another replica may well succeed: the replica is down,
-# draining or its connection broke. Never the caller's mistake (INVALID_ARGUMENT,
-# NOT_FOUND, RESOURCE_EXHAUSTED...), never DEADLINE_EXCEEDED (the deadline is the call's).
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# draining or its connection broke, or it restarted since we described it
+# (FAILED_PRECONDITION: it is re-described before it gets another call). Never
+# the caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...), never
+# DEADLINE_EXCEEDED (the deadline is the call's).
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
 
 
 @dataclass(slots=True, eq=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -65,7 +66,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-compute")
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
-        self._instance = f"{time.time_ns():x}"
+        self._instance = uuid.uuid4().hex  # new for every process start
 
     @property
     def draining(self) -> bool:
@@ -118,6 +119,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         """One request, admitted, validated, batched; raises RequestError."""
         received = time.perf_counter_ns()
         bank = self._admit()
+        if req.instance_id and req.instance_id != self._instance:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request routed for server instance {req.instance_id}, but this is "
+                f"{self._instance} (restarted): describe it again",
+            )
         self._inflight += 1
         self.metrics.inflight.set(self._inflight)
         try:
