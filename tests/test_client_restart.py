@@ -35,9 +35,9 @@ def test_stale_instance_is_refused():
             topk_weights=wire.encode(w),
             instance_id="an-earlier-life",
         )
-        with grpc.insecure_channel(server.address) as ch:
-            with pytest.raises(grpc.RpcError) as info:
-                pb_grpc.ExpertServiceStub(ch).Forward(req, timeout=10)
+        channel = grpc.insecure_channel(server.address)
+        with channel, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ExpertServiceStub(channel).Forward(req, timeout=10)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "describe it again" in info.value.details()
 
