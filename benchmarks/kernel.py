@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from expertd.kernels.cuda import CudaBackend, GraphedForward
+from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.nvfp4 import Nvfp4Weight, quantize
 from expertd.kernels.reference import RMS_EPS, relative_error
@@ -130,7 +130,9 @@ def main() -> int:
     ap.add_argument("--kind", default="nvidia-h200")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
-    ap.add_argument("--pdl-ab-max", type=int, default=1024, help="time graphs without PDL too")
+    ap.add_argument("--pdl-ab-max", type=int, default=0, help="time graphs without PDL too")
+    ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time v6 and v7 graphs")
+    ap.add_argument("--nopf-max", type=int, default=16, help="time v7 without L2 prefetch too")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -150,6 +152,21 @@ def main() -> int:
     local_of = layer.global_to_local("cuda").long()
     gen = torch.Generator(device="cuda").manual_seed(1)
 
+    date = dt.date.today().isoformat()
+    result = {
+        "date": date,
+        "kind": args.kind,
+        "default_path": kernel_path(),
+        "device": name,
+        "copy_GBps": bw / 1e9,
+        "matmul_TFLOPs": tc / 1e12,
+        "preset": "muse-spark",
+        "local_experts": EL,
+        "expert_bytes": expert_bytes,
+        "timing": "median of reps x (N back-to-back calls)/N, CUDA events, 4 rotating input sets",
+        "rows": [],
+    }
+    stem = f"kernel-{args.kind}-{date}"
     rows = []
     for m in ms:
         sets = []
@@ -202,6 +219,45 @@ def main() -> int:
             os.environ.pop("EXPERTD_KERNEL_PDL")
             t_nopdl = time_calls(lambda s, plain=plain: plain[s].replay(), n_sets, calls, reps)
             del plain
+        # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH, EXPERTD_KERNEL_PREFETCH),
+        # graphs captured under each setting; graph_us above is the default path.
+        variants = {}
+        if m <= args.path_ab_max:
+            variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
+            variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
+        if m <= args.nopf_max:
+            variants["v7_nopf"] = {
+                "EXPERTD_KERNEL_PATH": "7",
+                "EXPERTD_KERNEL_PREFETCH": "0",
+                "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "0",
+            }
+        path_us = {}
+        v6_out = None
+        for name, env in variants.items():
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                vg = []
+                for x, ids, w in sets:
+                    g = GraphedForward(backend, state, m, TOP_K)
+                    g.x.copy_(x)
+                    g.topk_ids.copy_(ids)
+                    g.topk_weights.copy_(w)
+                    vg.append(g)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            path_us[name] = time_calls(lambda s, vg=vg: vg[s].replay(), n_sets, calls, reps) * 1e6
+            out0 = vg[0].replay().clone()
+            if name == "v6":
+                v6_out = out0
+                path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
+            elif v6_out is not None:  # same arithmetic: v7 must reproduce v6 bit for bit
+                path_us[name + "_equal_v6"] = bool(torch.equal(out0, v6_out))
+            del vg
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
         bt_us = {}
         if m <= args.bt_sweep_max:
@@ -221,6 +277,8 @@ def main() -> int:
             "graph_us": t_graph * 1e6,
             "eager_us": t_eager * 1e6,
             "graph_no_pdl_us": None if t_nopdl is None else t_nopdl * 1e6,
+            "path": kernel_path(),
+            "path_us": path_us,
             "graph_x_floor": t_graph / floor,
             "graph_GBps": hit * expert_bytes / t_graph / 1e9,
             "graph_TFLOPs": flops / t_graph / 1e12,
@@ -239,23 +297,11 @@ def main() -> int:
             row["rel_err_vs_baseline"] = relative_error(graphs[0].replay().clone(), ref)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        result["rows"] = rows  # written after every M: a killed run keeps what it measured
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
         del graphs, outs, sets
         torch.cuda.empty_cache()
 
-    date = dt.date.today().isoformat()
-    result = {
-        "date": date,
-        "kind": args.kind,
-        "device": name,
-        "copy_GBps": bw / 1e9,
-        "matmul_TFLOPs": tc / 1e12,
-        "preset": "muse-spark",
-        "local_experts": EL,
-        "expert_bytes": expert_bytes,
-        "timing": "median of reps x (N back-to-back calls)/N, CUDA events, 4 rotating input sets",
-        "rows": rows,
-    }
-    stem = f"kernel-{args.kind}-{date}"
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
     try:
         import matplotlib
@@ -268,6 +314,9 @@ def main() -> int:
         ax.loglog(mm, [r["floor_us"] for r in rows], "k--", label="floor")
         ax.loglog(mm, [r["graph_us"] for r in rows], "o-", label="cuda (graph)")
         ax.loglog(mm, [r["eager_us"] for r in rows], ".-", label="cuda (eager)")
+        v6 = [(r["M"], r["path_us"]["v6"]) for r in rows if "v6" in r["path_us"]]
+        if v6 and kernel_path() != 6:
+            ax.loglog([a for a, _ in v6], [b for _, b in v6], "x:", label="cuda v6 (graph)")
         if baseline is not None:
             ax.loglog(mm, [r["baseline_us"] for r in rows], "s-", label="baseline bf16 torch")
         ax.set_xlabel("tokens M")
@@ -280,8 +329,9 @@ def main() -> int:
         print(f"plot skipped: {exc}", file=sys.stderr)
 
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
+    print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'no-PDL':>8}"
+    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -290,7 +340,10 @@ def main() -> int:
         line = (
             f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
             f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
-            f"{r['graph_no_pdl_us'] or float('nan'):>8.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['graph_no_pdl_us'] or float('nan'):>8.1f} "
+            f"{r['path_us'].get('v6', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
         if baseline is not None:

@@ -74,10 +74,20 @@ def load_library() -> ctypes.CDLL:
                 ctypes.c_int,
             ]
             lib.expertd_init.restype = ctypes.c_int
+            lib.expertd_kernel_path.restype = ctypes.c_int
+            lib.expertd_kernel_path.argtypes = []
             lib.expertd_moe_forward.restype = ctypes.c_int
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
             _LIB = lib
         return _LIB
+
+
+def kernel_path() -> int:
+    """The GEMM path a forward made now takes: 7 (persistent grid + L2 prefetch) or 6.
+
+    `EXPERTD_KERNEL_PATH=6` (or 7) in the environment overrides the compiled default; the choice
+    is read per call, so a CUDA graph keeps the path it was captured with."""
+    return int(load_library().expertd_kernel_path())
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:

@@ -33,6 +33,13 @@ def backend():
     return CudaBackend("cuda")
 
 
+@pytest.fixture(params=["6", "7"])
+def path(request, monkeypatch):
+    """Both GEMM paths (moe_nvfp4.cu: v6 grid, v7 persistent grid + L2 prefetch)."""
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", request.param)
+    return int(request.param)
+
+
 @pytest.fixture(scope="module", params=["small", "muse-spark"])
 def case(request, backend):
     preset = PRESETS[request.param]
@@ -60,6 +67,16 @@ def _run(backend, state, x, ids, w, **kw):
     return out
 
 
+_REFS: dict = {}
+
+
+def _reference(key, layer, x, ids, w):
+    """float64 reference, cached per input set (the same inputs run under both paths)."""
+    if key not in _REFS:
+        _REFS[key] = reference_forward(layer, x, ids, w)
+    return _REFS[key]
+
+
 def _check(out, ref, what):
     assert torch.isfinite(out.float()).all(), f"{what}: non-finite output (unwritten or overflow)"
     err = relative_error(out, ref)
@@ -68,7 +85,7 @@ def _check(out, ref, what):
 
 
 @pytest.mark.parametrize("m", M_SWEEP)
-def test_forward_matches_reference(case, backend, m):
+def test_forward_matches_reference(case, backend, path, m):
     preset, layer, state = case
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m)
     x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 1))
@@ -77,23 +94,28 @@ def test_forward_matches_reference(case, backend, m):
     if m == 0:
         assert out.shape == (0, preset.hidden_size)
         return
-    _check(out, reference_forward(layer, x, ids, w), f"{preset.name} M={m}")
+    ref = _reference((preset.name, m), layer, x, ids, w)
+    _check(out, ref, f"{preset.name} M={m} v{path}")
 
 
 @pytest.mark.parametrize("bt", [8, 16, 24, 32, 48, 64])
-def test_every_compiled_tile_size(case, backend, bt):
+def test_every_compiled_tile_size(case, backend, monkeypatch, bt):
+    # v7 here (v6's GEMM body is the same gemm_tile; test_v7_bit_identical_to_v6 compares them)
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
+    path = 7
     preset, layer, state = case
     m = 97
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=11)
-    x = torch.randn((m, preset.hidden_size), device="cuda").to(torch.bfloat16)
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(12))
+    x = x.to(torch.bfloat16).cuda()
     _check(
         _run(backend, state, x, ids, w, bt=bt),
-        reference_forward(layer, x, ids, w),
-        f"{preset.name} bt={bt}",
+        _reference((preset.name, "bt"), layer, x, ids, w),
+        f"{preset.name} bt={bt} v{path}",
     )
 
 
-def test_all_routes_on_one_expert(case, backend):
+def test_all_routes_on_one_expert(case, backend, path):
     preset, layer, state = case
     m = 300
     ids = torch.full((m, preset.top_k), layer.experts[-1], dtype=torch.int32, device="cuda")
@@ -106,7 +128,7 @@ def test_all_routes_on_one_expert(case, backend):
     )
 
 
-def test_no_owned_routes_gives_zeros(case, backend):
+def test_no_owned_routes_gives_zeros(case, backend, path):
     preset, layer, state = case
     m = 37
     foreign = [e for e in range(preset.num_experts) if e not in layer.experts][: preset.top_k]
@@ -116,6 +138,42 @@ def test_no_owned_routes_gives_zeros(case, backend):
     x = torch.randn((m, preset.hidden_size), device="cuda").to(torch.bfloat16)
     out = _run(backend, state, x, ids, w)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_path_switch(backend, path):
+    from expertd.kernels.cuda import kernel_path
+
+    assert kernel_path() == path
+
+
+@pytest.mark.parametrize(
+    "cap,prefetch", [(0, "0"), (0, "1000"), (1, "2"), (3, "1000"), (7, "0"), (130, "2")]
+)
+def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch):
+    """v7 changes the schedule, not the arithmetic: outputs equal v6's bit for bit, also with
+    the persistent grid capped to a few blocks (each loops over many items) and the L2 prefetch
+    forced on or off."""
+    preset, layer, state = case
+    m = 45
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=21)
+    ids[:3] = int(layer.experts[0])  # one expert with several tiles
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(22))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
+    want = _run(backend, state, x, ids, w)
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
+    monkeypatch.setenv("EXPERTD_KERNEL_GRID_CAP", str(cap))
+    monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", prefetch)
+    for bt in (0, 8, 32, 64):
+        got = _run(backend, state, x, ids, w, bt=bt)
+        ref = want if bt == 0 else None
+        if ref is None:
+            monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
+            ref = _run(backend, state, x, ids, w, bt=bt)
+            monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
+        assert torch.equal(got, ref), f"cap={cap} prefetch={prefetch} bt={bt}"
+    ref = _reference((preset.name, "v7"), layer, x, ids, w)
+    _check(got, ref, f"{preset.name} v7 cap={cap} prefetch={prefetch}")
 
 
 def test_gate_and_up_global_scales_differ(case):
@@ -135,7 +193,7 @@ def test_deterministic_and_int64_bf16_inputs_accepted(case, backend):
     _check(c, reference_forward(layer, x, ids, w.to(torch.bfloat16).float()), "int64/bf16 in")
 
 
-def test_cuda_graph_replay_matches_eager(case, backend):
+def test_cuda_graph_replay_matches_eager(case, backend, path):
     from expertd.kernels.cuda import GraphedForward
 
     preset, _, state = case

@@ -157,6 +157,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+// L2 prefetch by the copy engine (sm_90 cp.async.bulk.prefetch; 16-B aligned, size a multiple
+// of 16). A hint: never changes results.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -187,10 +193,23 @@ __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
   return (e >= 0 && e < el) ? e : -1;
 }
 
+// v7 at decode: once the hit experts are counted, warps 1.. prefetch the start (in k) of every
+// m-tile row of their W13 into L2 while warp 0 scans, up to `budget` bytes in all, so GEMM1's
+// blocks find their first stages (at M = 1 the whole expert) in L2.
+struct RoutePrefetch {
+  const uint8_t* codes;   // W13 codes [El][Mt][K/64][512 B]
+  const uint8_t* scales;  // W13 scales [El][Mt][K/64][128 B]
+  int mt;                 // m-tiles per expert (2I / 16)
+  int kg;                 // 64-k groups (H / 64)
+  long long budget;       // bytes; 0 = off
+  int max_routes;         // only calls with at most this many routes
+};
+
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
     int num_experts, int el, int bt, int* __restrict__ sorted_route,
-    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles,
+    int* __restrict__ work_ctr, const RoutePrefetch pf) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* off = sm + el;
@@ -198,6 +217,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   const int tid = threadIdx.x;
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
   pdl_launch_dependents();
+  if (tid < 2) work_ctr[tid] = 0;  // v7's item counters (GEMM1, GEMM2)
   for (int i = tid; i < el; i += kRouteThreads) {
     cnt[i] = 0;
     fill[i] = 0;
@@ -216,7 +236,21 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
-  __syncthreads();
+  const int hits = __syncthreads_count(tid < el && cnt[tid] > 0);  // exact when el <= threads
+  if (tid >= 32 && pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads && hits) {
+    const long long per_kg = static_cast<long long>(hits) * pf.mt * 640;  // codes + bf16 scales
+    const long long nkg = min(static_cast<long long>(pf.kg), pf.budget / per_kg);
+    for (int e = 0; nkg > 0 && e < el; ++e) {
+      if (cnt[e] == 0) continue;
+      for (int j = tid - 32; j < pf.mt; j += kRouteThreads - 32) {
+        const long long m = static_cast<long long>(e) * pf.mt + j;
+        const uint8_t* c = pf.codes + m * pf.kg * 512;
+        for (long long o = 0; o < nkg * 512; o += 4096)
+          prefetch_l2(c + o, static_cast<uint32_t>(min(4096LL, nkg * 512 - o)));
+        prefetch_l2(pf.scales + m * pf.kg * 128, static_cast<uint32_t>(nkg * 128));
+      }
+    }
+  }
   if (tid < 32) {  // exclusive scan of the padded counts: lane l owns experts [l*c, (l+1)*c)
     const int c = (el + 31) / 32;
     int sum = 0;
@@ -290,6 +324,10 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
+  // v7 only
+  int* work_ctr;               // items taken past the first grid (zeroed by route_kernel)
+  int nx;                      // n-blocks per tile
+  int prefetch_tiles;          // GEMM2: prefetch the first item's weights to L2 when num_tiles <= this
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -317,16 +355,19 @@ struct GemmShape {
 // One block = NW x NK warps: warp (wm, wk) owns m-tiles wm*WM.. and k-groups kg = wk, wk+NK, ...
 // of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
+// gemm_tile computes one work item: tile `tile` (BT positions of one expert) x n-block `xb`
+// (kMTiles m-tiles). Called once per block by the v6 kernel (grid = n-blocks x tiles) and in a
+// loop by the v7 kernel (persistent grid, items from a counter). `trigger`: issue
+// launch_dependents after the main loop (v6). Returns with the block's shared memory still in
+// use by the epilogue of some warps: the caller's __syncthreads separates two items.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
+__device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
+                                          const bool trigger) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
-  const int tile = blockIdx.y;
-  pdl_wait();
-  if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
-  const int mt0 = blockIdx.x * S::kMTiles;
+  const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -477,7 +518,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
     }
   }
   cp_async_wait<0>();
-  pdl_launch_dependents();
+  if (trigger) pdl_launch_dependents();
 
   // Split-K: k-warps 1..NK-1 hand their partial sums to k-warp 0 through the (now idle)
   // pipeline memory; summed in a fixed order, so results do not depend on timing.
@@ -570,8 +611,75 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
       float v = 0.0f;
 #pragma unroll
       for (int w = 0; w < NW; ++w) v += red[w][i];
-      a.partial[static_cast<long long>(blockIdx.x) * a.pcap + tile * BT + i] = v;
+      a.partial[static_cast<long long>(xb) * a.pcap + tile * BT + i] = v;
     }
+  }
+}
+
+// v6: grid (n-blocks, t_max); blocks past num_tiles exit.
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
+  const int tile = blockIdx.y;
+  pdl_wait();
+  if (tile >= *a.num_tiles) return;
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+}
+
+// Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
+// layout) into L2: v7's GEMM2 issues it before waiting for GEMM1, so at decode the down
+// projection's bytes stream in while GEMM1 runs. A hint: no effect on results.
+
+template <int BT, int WM, int NW, int NK, int KG, int ST>
+__device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
+  using S = GemmShape<BT, WM, NW, NK, KG, ST>;
+  const long long kg_count = a.k / 64;
+  const long long m0 = static_cast<long long>(e) * a.mt + xb * S::kMTiles;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.codes + m0 * kg_count * 32);
+  const uint8_t* scales = reinterpret_cast<const uint8_t*>(a.scales + m0 * kg_count * 8);
+  const long long cbytes = S::kMTiles * kg_count * 512, sbytes = S::kMTiles * kg_count * 128;
+  constexpr long long kChunk = 4096;  // multiples of 128 B, 16-B aligned (slabs are)
+  for (long long o = threadIdx.x * kChunk; o < cbytes; o += blockDim.x * kChunk)
+    prefetch_l2(codes + o, static_cast<uint32_t>(min(kChunk, cbytes - o)));
+  for (long long o = threadIdx.x * kChunk; o < sbytes; o += blockDim.x * kChunk)
+    prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
+}
+
+// v7: persistent grid of (blocks per SM x SMs) blocks over the work items w = tile * nx + xb
+// (the order v6's grid dispatches them). A block's first item is blockIdx.x; the next come from
+// a counter (zeroed by route_kernel) fetched at the start of each item, so its latency hides
+// behind the item. No exiting blocks past num_tiles (v6 launches t_max rows), same dynamic load
+// balance as v6's grid. launch_dependents right after the exit check: the next kernel's blocks
+// take whatever room is left (at decode GEMM2's blocks sit beside GEMM1's and prefetch their
+// weights into L2); they never displace this grid's blocks, which are all dispatched by then.
+// GEMM2 reads num_tiles / tile_expert before griddepcontrol.wait: route_kernel wrote them and
+// finished before any GEMM1 block passed its wait, which precedes GEMM1's trigger (L2 loads).
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NW * NK * 32) moe_gemm_v7_kernel(const GemmArgs a) {
+  __shared__ int s_next;
+  int w = blockIdx.x;
+  int total;
+  if constexpr (GATED) {
+    pdl_wait();
+    total = *a.num_tiles * a.nx;
+    if (w >= total) return;
+    pdl_launch_dependents();
+  } else {
+    const int nt = __ldcg(a.num_tiles);
+    total = nt * a.nx;
+    if (w >= total) return;
+    if (nt <= a.prefetch_tiles)
+      prefetch_slab<BT, WM, NW, NK, KG, ST>(a, __ldcg(a.tile_expert + w / a.nx), w % a.nx);
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  for (;;) {
+    int next = 0;
+    if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false);
+    if (threadIdx.x == 0) s_next = next;
+    __syncthreads();  // the item's shared memory is free; s_next is visible
+    w = s_next;
+    if (w >= total) break;
   }
 }
 
@@ -713,6 +821,7 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
   int* num_tiles;
+  int* work_ctr;
   int* tile_expert;
   int* sorted_route;
   int* pos_of_route;
@@ -731,6 +840,7 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     return ptr;
   };
   c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
+  c.work_ctr = reinterpret_cast<int*>(take(2 * sizeof(int)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
   c.pos_of_route = reinterpret_cast<int*>(take(sizeof(int) * (m * top_k + 1)));
@@ -741,25 +851,85 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
+// Kernel path per call: 7 (default) or 6, EXPERTD_KERNEL_PATH=6 / 7 overrides (benchmark A/B,
+// tests of both). v6 = grid (n-blocks, t_max) as measured in NOTES.md; v7 = persistent grid
+// over work items + GEMM2's L2 prefetch at decode. Same arithmetic: bit-identical outputs.
+constexpr int kDefaultPath = 7;
+int kernel_path() {
+  const char* v = getenv("EXPERTD_KERNEL_PATH");
+  if (v && v[0]) return (v[0] == '6' || (v[0] == 'v' && v[1] == '6')) ? 6 : 7;
+  return kDefaultPath;
+}
+// v7: GEMM2 prefetches its first item's weights into L2 when num_tiles <= this (default 2:
+// <= 20 MiB of W2 beside <= 40 MiB of W1 streaming through the 50 MB L2); 0 = never.
+int prefetch_tiles() {
+  const char* v = getenv("EXPERTD_KERNEL_PREFETCH");
+  return (v && v[0]) ? atoi(v) : 2;
+}
+// v7: route_kernel prefetches up to this many bytes of the hit experts' W13 into L2 for calls
+// of at most kRoutePrefetchRoutes routes (M <= 8 at top_k = 8): default 20 MiB = one muse-spark
+// expert's W13, which with GEMM2's W2 prefetch (10 MiB) fits the L2. 0 = off.
+constexpr int kRoutePrefetchRoutes = 64;
+long long route_prefetch_bytes() {
+  const char* v = getenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB");
+  return ((v && v[0]) ? atoll(v) : 20LL) << 20;
+}
+// v7: cap on the persistent grid (blocks), for tests that force many items per block; 0 = none.
+int grid_cap() {
+  const char* v = getenv("EXPERTD_KERNEL_GRID_CAP");
+  return (v && v[0]) ? atoi(v) : 0;
+}
+
+// Resident blocks per SM of each v7 GEMM (index BT / 8, then GEMM1 / GEMM2), from
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor at expertd_init; 0 = unknown (grid = all items).
+int g_occ[9][2] = {};
+
+int persistent_blocks(int occ, long long items) {
+  int dev = 0, sms = 0;
+  if (occ <= 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return static_cast<int>(items);
+  long long b = static_cast<long long>(occ) * sms;
+  if (const int cap = grid_cap()) b = cap < b ? cap : b;
+  return static_cast<int>(b < items ? b : items);
+}
+
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
-int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
-                 cudaStream_t stream) {
+int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
-  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
-  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
+  const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
+  if (kernel_path() == 7) {
+    auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
+    auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
+    const long long items1 = static_cast<long long>(t_max) * nx1;
+    const long long items2 = static_cast<long long>(t_max) * nx2;
+    if (items1 > (1LL << 30) || items2 > (1LL << 30)) return fail(1, "too many tiles: split the call");
+    g1.nx = nx1;
+    g2.nx = nx2;
+    g2.work_ctr = g1.work_ctr + 1;
+    g1.prefetch_tiles = 0;
+    g2.prefetch_tiles = prefetch_tiles();
+    if (int rc = launch("moe_gemm_v7 (gate/up)", k1, dim3(persistent_blocks(g_occ[BT / 8][0], items1)),
+                        dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
+      return rc;
+    return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[BT / 8][1], items2)),
+                  dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+  }
+  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
+  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  dim3 grid1((2 * inter / 16) / Sh1::kMTiles, t_max);
+  dim3 grid1(nx1, t_max);
   if (int rc = launch("moe_gemm (gate/up)", k1, grid1, dim3(Sh1::kThreads), Sh1::kSmemBytes,
                       stream, g1))
     return rc;
-  dim3 grid2((h / 16) / Sh2::kMTiles, t_max);
+  dim3 grid2(nx2, t_max);
   return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
@@ -770,11 +940,25 @@ int set_smem_attrs() {
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
   auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
-  if (cudaFuncSetAttribute(k1, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh1::kSmemBytes) !=
-          cudaSuccess ||
-      cudaFuncSetAttribute(k2, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh2::kSmemBytes) !=
-          cudaSuccess)
+  auto p1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
+  auto p2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  if (cudaFuncSetAttribute(k1, attr, Sh1::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(k2, attr, Sh2::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(p2, attr, Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
+  // Blocks per SM for v7's persistent grid; on failure 0 (v7 then launches one block per item).
+  int o1 = 0, o2 = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, p1, Sh1::kThreads, Sh1::kSmemBytes) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, p2, Sh2::kThreads, Sh2::kSmemBytes) !=
+          cudaSuccess) {
+    o1 = o2 = 0;
+    cudaGetLastError();
+  }
+  g_occ[BT / 8][0] = o1;
+  g_occ[BT / 8][1] = o2;
   return 0;
 }
 
@@ -811,6 +995,9 @@ struct ExpertdMoeArgs {
 };
 
 const char* expertd_last_error(void) { return g_error; }
+
+// The GEMM path a call made now would take (6 or 7; EXPERTD_KERNEL_PATH overrides the default).
+int expertd_kernel_path(void) { return kernel_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29):
@@ -862,11 +1049,20 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
+  RoutePrefetch pf{};
+  if (kernel_path() == 7) {
+    pf.codes = static_cast<const uint8_t*>(a.w13_codes);
+    pf.scales = static_cast<const uint8_t*>(a.w13_scales);
+    pf.mt = 2 * a.inter / 16;
+    pf.kg = a.h / 64;
+    pf.budget = route_prefetch_bytes();
+    pf.max_routes = kRoutePrefetchRoutes;
+  }
 
   if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
                       sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
                       a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
-                      c.num_tiles))
+                      c.num_tiles, c.work_ctr, pf))
     return rc;
 
   GemmArgs g1{};
@@ -882,6 +1078,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g1.mt = 2 * a.inter / 16;
   g1.top_k = a.top_k;
   g1.pcap = p.pcap;
+  g1.work_ctr = c.work_ctr;
 
   GemmArgs g2{};
   g2.codes = static_cast<const uint4*>(a.w2_codes);
