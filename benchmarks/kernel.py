@@ -133,6 +133,7 @@ def main() -> int:
     ap.add_argument("--pdl-ab-max", type=int, default=0, help="time graphs without PDL too")
     ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time v6 and v7 graphs")
     ap.add_argument("--nopf-max", type=int, default=16, help="time v7 without L2 prefetch too")
+    ap.add_argument("--spread-max", type=int, default=8, help="time v7 one-GEMM1-block-per-SM")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -230,6 +231,11 @@ def main() -> int:
                 "EXPERTD_KERNEL_PATH": "7",
                 "EXPERTD_KERNEL_PREFETCH": "0",
                 "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "0",
+            }
+        if m <= args.spread_max:
+            variants["v7_spread"] = {
+                "EXPERTD_KERNEL_PATH": "7",
+                "EXPERTD_KERNEL_SPREAD_ROUTES": "64",
             }
         path_us = {}
         v6_out = None
@@ -331,7 +337,7 @@ def main() -> int:
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
     print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8}"
+    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'spread':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -343,7 +349,8 @@ def main() -> int:
             f"{r['graph_no_pdl_us'] or float('nan'):>8.1f} "
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
         if baseline is not None:

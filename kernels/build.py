@@ -10,6 +10,15 @@ Environment:
     EXPERTD_KERNEL_LIB      path of a prebuilt library to load instead of building
     EXPERTD_NVCC            the nvcc to use (default: $CUDA_HOME/bin/nvcc, then PATH)
 
+Read by the library per call (a CUDA graph keeps what it was captured with):
+    EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
+    EXPERTD_KERNEL_PATH     6 or 7: the GEMM path (default in moe_nvfp4.cu, kDefaultPath)
+    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 when num_tiles <= this (2; 0 off)
+    EXPERTD_KERNEL_ROUTE_PREFETCH_MIB  v7, M*top_k <= 64: W13 bytes prefetched (20; 0 off)
+    EXPERTD_KERNEL_SPREAD_ROUTES       v7 experiment: one GEMM1 block per SM up to this many
+                                       routes (0, off)
+    EXPERTD_KERNEL_GRID_CAP v7: at most this many blocks per GEMM grid (tests; 0 = none)
+
 Run `python -m expertd.kernels.build` to build and print the library path.
 """
 

@@ -147,9 +147,18 @@ def test_path_switch(backend, path):
 
 
 @pytest.mark.parametrize(
-    "cap,prefetch", [(0, "0"), (0, "1000"), (1, "2"), (3, "1000"), (7, "0"), (130, "2")]
+    "cap,prefetch,spread",
+    [
+        (0, "0", "0"),
+        (0, "1000", "0"),
+        (1, "2", "0"),
+        (3, "1000", "1000"),
+        (7, "0", "0"),
+        (130, "2", "0"),
+        (0, "2", "100000"),
+    ],
 )
-def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch):
+def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, spread):
     """v7 changes the schedule, not the arithmetic: outputs equal v6's bit for bit, also with
     the persistent grid capped to a few blocks (each loops over many items) and the L2 prefetch
     forced on or off."""
@@ -164,6 +173,8 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch):
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
     monkeypatch.setenv("EXPERTD_KERNEL_GRID_CAP", str(cap))
     monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", prefetch)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "64" if prefetch != "0" else "0")
+    monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_ROUTES", spread)
     for bt in (0, 8, 32, 64):
         got = _run(backend, state, x, ids, w, bt=bt)
         ref = want if bt == 0 else None
@@ -173,7 +184,7 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch):
             monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
         assert torch.equal(got, ref), f"cap={cap} prefetch={prefetch} bt={bt}"
     ref = _reference((preset.name, "v7"), layer, x, ids, w)
-    _check(got, ref, f"{preset.name} v7 cap={cap} prefetch={prefetch}")
+    _check(got, ref, f"{preset.name} v7 cap={cap} prefetch={prefetch} spread={spread}")
 
 
 def test_gate_and_up_global_scales_differ(case):

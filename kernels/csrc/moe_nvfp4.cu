@@ -13,6 +13,13 @@
 //   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j]; writes
 //                        every element (zeros for tokens with no owned route).
 //
+// GEMM paths (EXPERTD_KERNEL_PATH=6/7; same arithmetic, bit-identical outputs):
+//   v6  GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or not, so
+//       most blocks find tile >= num_tiles and exit (80-90% of them at top-8 of 256, 32 experts).
+//   v7  persistent GEMM grids (blocks per SM x SMs) over work items (tile, n-block) taken from a
+//       counter; GEMM1 lets GEMM2's blocks in at once, and at decode GEMM2 prefetches its W2
+//       slab into L2 before waiting for GEMM1 and route_kernel prefetches the hit experts' W13.
+//
 // GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
 // tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
 // mma.sync.m16n8k16 bf16 -> fp32. One k-step (16 k) is exactly one NVFP4 scale block.
@@ -880,6 +887,16 @@ int grid_cap() {
   return (v && v[0]) ? atoi(v) : 0;
 }
 
+// v7 experiment (off by default): calls with at most this many routes launch GEMM1 with
+// kSpreadSmem of shared memory, so at most one of its blocks sits on an SM (at M = 1 the 128
+// blocks of the one hit expert on 128 SMs, never two on one). v4 tried this with v6's grid, where
+// the 1024 blocks past num_tiles then queued behind the real ones; v7 launches none of those.
+constexpr int kSpreadSmem = 120 * 1024;
+int spread_routes() {
+  const char* v = getenv("EXPERTD_KERNEL_SPREAD_ROUTES");
+  return (v && v[0]) ? atoi(v) : 0;
+}
+
 // Resident blocks per SM of each v7 GEMM (index BT / 8, then GEMM1 / GEMM2), from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor at expertd_init; 0 = unknown (grid = all items).
 int g_occ[9][2] = {};
@@ -896,7 +913,8 @@ int persistent_blocks(int occ, long long items) {
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
-int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, cudaStream_t stream) {
+int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long long routes,
+                 cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
@@ -914,8 +932,11 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, cudaStre
     g2.work_ctr = g1.work_ctr + 1;
     g1.prefetch_tiles = 0;
     g2.prefetch_tiles = prefetch_tiles();
-    if (int rc = launch("moe_gemm_v7 (gate/up)", k1, dim3(persistent_blocks(g_occ[BT / 8][0], items1)),
-                        dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
+    const bool spread = routes <= spread_routes() && Sh1::kSmemBytes < kSpreadSmem;
+    const int occ1 = spread ? 1 : g_occ[BT / 8][0];
+    const size_t smem1 = spread ? kSpreadSmem : Sh1::kSmemBytes;
+    if (int rc = launch("moe_gemm_v7 (gate/up)", k1, dim3(persistent_blocks(occ1, items1)),
+                        dim3(Sh1::kThreads), smem1, stream, g1))
       return rc;
     return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[BT / 8][1], items2)),
                   dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
@@ -945,7 +966,8 @@ int set_smem_attrs() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
   if (cudaFuncSetAttribute(k1, attr, Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(k2, attr, Sh2::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes > kSpreadSmem ? Sh1::kSmemBytes
+                                                                    : kSpreadSmem) != cudaSuccess ||
       cudaFuncSetAttribute(p2, attr, Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   // Blocks per SM for v7's persistent grid; on failure 0 (v7 then launches one block per item).
@@ -1100,7 +1122,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                                 \
   if (bt == BT)                                                                              \
     rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, \
-                                                         stream);
+                                                         a.m * a.top_k, stream);
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
   if (rc) return rc;
