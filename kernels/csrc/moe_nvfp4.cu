@@ -367,13 +367,16 @@ struct GemmShape {
 // loop by the v7 kernel (persistent grid, items from a counter). `trigger`: issue
 // launch_dependents after the main loop (v6). Returns with the block's shared memory still in
 // use by the epilogue of some warps: the caller's __syncthreads separates two items.
+// `e_pre` / `r_pre` (v7's first item): the tile's expert and, for thread i < BT, sorted_route of
+// position i, loaded by the caller together with num_tiles (one round trip instead of three).
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
-                                          const bool trigger) {
+                                          const bool trigger, const int e_pre = -1,
+                                          const int r_pre = -1) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
-  const int e = a.tile_expert[tile];
+  const int e = e_pre >= 0 ? e_pre : a.tile_expert[tile];
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -408,7 +411,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
     if constexpr (GATED) {
-      const int r = a.sorted_route[pos];
+      const int r = e_pre >= 0 ? r_pre : a.sorted_route[pos];  // BT <= T: i == tid
       row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
     } else {
       row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
@@ -665,28 +668,37 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_v7_kernel(const GemmArg
   __shared__ int s_next;
   int w = blockIdx.x;
   int total;
+  // First item: its expert (and GEMM1's route ids) load beside num_tiles; both index arrays hold
+  // t_max tiles and w < t_max * nx, so the loads are in bounds even when the item is not real.
+  int e_pre, r_pre = -1;
   if constexpr (GATED) {
+    static_assert(BT <= NW * NK * 32, "one route id per thread");
     pdl_wait();
-    total = *a.num_tiles * a.nx;
+    const int nt = *a.num_tiles;
+    e_pre = a.tile_expert[w / a.nx];
+    if (threadIdx.x < BT) r_pre = a.sorted_route[(w / a.nx) * BT + threadIdx.x];
+    total = nt * a.nx;
     if (w >= total) return;
     pdl_launch_dependents();
   } else {
     const int nt = __ldcg(a.num_tiles);
+    e_pre = __ldcg(a.tile_expert + w / a.nx);
     total = nt * a.nx;
     if (w >= total) return;
-    if (nt <= a.prefetch_tiles)
-      prefetch_slab<BT, WM, NW, NK, KG, ST>(a, __ldcg(a.tile_expert + w / a.nx), w % a.nx);
+    if (nt <= a.prefetch_tiles) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
     pdl_wait();
     pdl_launch_dependents();
   }
+  int next = 0;
+  if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, e_pre, r_pre);
   for (;;) {
-    int next = 0;
-    if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false);
     if (threadIdx.x == 0) s_next = next;
     __syncthreads();  // the item's shared memory is free; s_next is visible
     w = s_next;
     if (w >= total) break;
+    if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false);
   }
 }
 
