@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time v6 and v7 graphs")
     ap.add_argument("--nopf-max", type=int, default=16, help="time v7 without L2 prefetch too")
     ap.add_argument("--spread-max", type=int, default=8, help="time v7 one-GEMM1-block-per-SM")
+    ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -232,6 +233,8 @@ def main() -> int:
                 "EXPERTD_KERNEL_PREFETCH": "0",
                 "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "0",
             }
+        if m <= args.nopf_max:
+            variants["v7_pf2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_PREFETCH": "2"}
         if m <= args.spread_max:
             variants["v7_spread"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -239,7 +242,7 @@ def main() -> int:
             }
         path_us = {}
         v6_out = None
-        for name, env in variants.items():
+        for vname, env in variants.items():
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
@@ -256,14 +259,30 @@ def main() -> int:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-            path_us[name] = time_calls(lambda s, vg=vg: vg[s].replay(), n_sets, calls, reps) * 1e6
+            path_us[vname] = time_calls(lambda s, vg=vg: vg[s].replay(), n_sets, calls, reps) * 1e6
             out0 = vg[0].replay().clone()
-            if name == "v6":
+            if vname == "v6":
                 v6_out = out0
                 path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
             elif v6_out is not None:  # same arithmetic: v7 must reproduce v6 bit for bit
-                path_us[name + "_equal_v6"] = bool(torch.equal(out0, v6_out))
+                path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
+        # Fixed cost per path: the same call with no route on this shard (every id foreign or
+        # -1): route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
+        if m <= args.fixed_max:
+            foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
+            for pname in ("6", "7"):
+                os.environ["EXPERTD_KERNEL_PATH"] = pname
+                try:
+                    g = GraphedForward(backend, state, m, TOP_K)
+                finally:
+                    os.environ.pop("EXPERTD_KERNEL_PATH")
+                g.x.copy_(sets[0][0])
+                g.topk_ids.copy_(foreign)
+                g.topk_weights.copy_(sets[0][2])
+                t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
+                path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
+                del g
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
         bt_us = {}
         if m <= args.bt_sweep_max:
@@ -337,7 +356,7 @@ def main() -> int:
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
     print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'spread':>8}"
+    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'spread':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -350,6 +369,7 @@ def main() -> int:
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_pf2', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
@@ -359,6 +379,18 @@ def main() -> int:
                 f" {r['rel_err_vs_baseline']:>8.1e}"
             )
         print(line)
+    fixed = [r for r in rows if "v7_no_local_route" in r["path_us"]]
+    if fixed:
+        print(
+            "no local route (fixed cost), graph us: "
+            + ", ".join(
+                f"M={r['M']} v6 {r['path_us']['v6_no_local_route']:.1f} "
+                f"v7 {r['path_us']['v7_no_local_route']:.1f}"
+                for r in fixed
+            )
+        )
+    eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
+    print("v7 == v6 bit for bit at every M" if not eq else f"MISMATCH v7 vs v6: {eq}")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")

@@ -13,7 +13,7 @@ Environment:
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
     EXPERTD_KERNEL_PATH     6 or 7: the GEMM path (default in moe_nvfp4.cu, kDefaultPath)
-    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 when num_tiles <= this (2; 0 off)
+    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 when num_tiles <= this (1; 0 off)
     EXPERTD_KERNEL_ROUTE_PREFETCH_MIB  v7, M*top_k <= 64: W13 bytes prefetched (20; 0 off)
     EXPERTD_KERNEL_SPREAD_ROUTES       v7 experiment: one GEMM1 block per SM up to this many
                                        routes (0, off)

@@ -879,11 +879,12 @@ int kernel_path() {
   if (v && v[0]) return (v[0] == '6' || (v[0] == 'v' && v[1] == '6')) ? 6 : 7;
   return kDefaultPath;
 }
-// v7: GEMM2 prefetches its first item's weights into L2 when num_tiles <= this (default 2:
-// <= 20 MiB of W2 beside <= 40 MiB of W1 streaming through the 50 MB L2); 0 = never.
+// v7: GEMM2 prefetches its first item's weights into L2 when num_tiles <= this (default 1: one
+// expert's W2, 10 MiB, beside its W13, 20 MiB, in the 50 MB L2; 2 risks evictions before use,
+// measured as a benchmark variant); 0 = never.
 int prefetch_tiles() {
   const char* v = getenv("EXPERTD_KERNEL_PREFETCH");
-  return (v && v[0]) ? atoi(v) : 2;
+  return (v && v[0]) ? atoi(v) : 1;
 }
 // v7: route_kernel prefetches up to this many bytes of the hit experts' W13 into L2 for calls
 // of at most kRoutePrefetchRoutes routes (M <= 8 at top_k = 8): default 20 MiB = one muse-spark
