@@ -50,6 +50,7 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <stdio.h>
@@ -168,6 +169,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // of 16). A hint: never changes results.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// An L2 load (ld.global.cg) for index arrays read by other SMs' kernels.
+__device__ __forceinline__ int ld_cg_now(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
@@ -674,17 +682,19 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_v7_kernel(const GemmArg
   if constexpr (GATED) {
     static_assert(BT <= NW * NK * 32, "one route id per thread");
     pdl_wait();
-    const int nt = *a.num_tiles;
-    e_pre = a.tile_expert[w / a.nx];
-    if (threadIdx.x < BT) r_pre = a.sorted_route[(w / a.nx) * BT + threadIdx.x];
+    const int nt = ld_cg_now(a.num_tiles);
+    e_pre = ld_cg_now(a.tile_expert + w / a.nx);
+    if (threadIdx.x < BT) r_pre = ld_cg_now(a.sorted_route + (w / a.nx) * BT + threadIdx.x);
     total = nt * a.nx;
-    if (w >= total) return;
+    // The INT_MIN tests never fire on a real item (expert >= 0, route >= -1); they make the exit
+    // wait for the loads, so ptxas cannot sink them below it (one round trip, not two).
+    if (__syncthreads_or(w >= total || e_pre == INT_MIN || r_pre == INT_MIN)) return;
     pdl_launch_dependents();
   } else {
-    const int nt = __ldcg(a.num_tiles);
-    e_pre = __ldcg(a.tile_expert + w / a.nx);
+    const int nt = ld_cg_now(a.num_tiles);
+    e_pre = ld_cg_now(a.tile_expert + w / a.nx);
     total = nt * a.nx;
-    if (w >= total) return;
+    if (w >= total || e_pre == INT_MIN) return;  // see GEMM1: keeps the loads together
     if (nt <= a.prefetch_tiles) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
     pdl_wait();
     pdl_launch_dependents();
