@@ -361,6 +361,15 @@ struct GemmShape {
   static constexpr int kWPer = (kWChunks + kThreads - 1) / kThreads;  // 16-B copies per thread
   static constexpr int kSPer = (kSChunks + kThreads - 1) / kThreads;
   static constexpr int kAPer = (kAChunks + kThreads - 1) / kThreads;
+  // Blocks per SM that shared memory allows (228 KB per SM, 1 KB reserved per block, the static
+  // red / row_off arrays): v7's kernels ask ptxas to fit that many in registers too
+  // (__launch_bounds__ min blocks), since their loop-carried state would otherwise cost a block
+  // per SM at BT = 24 (78 registers: 3 blocks where v6 has 4).
+  static constexpr int kStaticSmem = NW * BT * 4 + BT * 8 + 64;
+  static constexpr int kSmemFit = 233472 / (kSmemBytes + kStaticSmem + 1024);
+  static constexpr int kThreadFit = 2048 / kThreads;
+  static constexpr int kMinBlocks =
+      kSmemFit < 1 ? 1 : (kSmemFit < kThreadFit ? kSmemFit : kThreadFit);
   static_assert(BT % 8 == 0, "BT is a multiple of the MMA's n = 8");
   static_assert(kBK >= 64, "the activation swizzle needs 8 chunks per row");
   static_assert(KG % NK == 0, "each k-warp takes KG / NK groups of every stage");
@@ -672,7 +681,8 @@ __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) 
 // GEMM2 reads num_tiles / tile_expert before griddepcontrol.wait: route_kernel wrote them and
 // finished before any GEMM1 block passed its wait, which precedes GEMM1's trigger (L2 loads).
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NW * NK * 32) moe_gemm_v7_kernel(const GemmArgs a) {
+__global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, ST>::kMinBlocks))
+    moe_gemm_v7_kernel(const GemmArgs a) {
   __shared__ int s_next;
   int w = blockIdx.x;
   int total;
