@@ -135,6 +135,7 @@ def main() -> int:
     ap.add_argument("--nopf-max", type=int, default=16, help="time v7 without L2 prefetch too")
     ap.add_argument("--spread-max", type=int, default=8, help="time v7 one-GEMM1-block-per-SM")
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
+    ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -235,6 +236,9 @@ def main() -> int:
             }
         if m <= args.nopf_max:
             variants["v7_pf2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_PREFETCH": "2"}
+        if m <= args.alt_max:  # decode alternatives (BT = 8 calls; moe_nvfp4.cu)
+            variants["v7_alt1"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "1"}
+            variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
         if m <= args.spread_max:
             variants["v7_spread"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -264,6 +268,8 @@ def main() -> int:
             if vname == "v6":
                 v6_out = out0
                 path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
+            elif vname == "v7_alt2":  # another k-split: another fp32 sum order
+                path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             elif v6_out is not None:  # same arithmetic: v7 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
@@ -356,7 +362,8 @@ def main() -> int:
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
     print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'no-PDL':>8} {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'spread':>8}"
+    head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'spread':>8}"
+    head += f" {'alt1':>8} {'alt2':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -365,12 +372,13 @@ def main() -> int:
         line = (
             f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
             f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
-            f"{r['graph_no_pdl_us'] or float('nan'):>8.1f} "
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_pf2', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_alt1', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_alt2', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
         if baseline is not None:

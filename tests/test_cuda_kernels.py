@@ -147,21 +147,26 @@ def test_path_switch(backend, path):
 
 
 @pytest.mark.parametrize(
-    "cap,prefetch,spread",
+    "cap,prefetch,spread,alt",
     [
-        (0, "0", "0"),
-        (0, "1000", "0"),
-        (1, "2", "0"),
-        (3, "1000", "1000"),
-        (7, "0", "0"),
-        (130, "2", "0"),
-        (0, "2", "100000"),
+        (0, "0", "0", "0"),
+        (0, "1000", "0", "0"),
+        (1, "2", "0", "0"),
+        (3, "1000", "1000", "0"),
+        (7, "0", "0", "0"),
+        (130, "2", "0", "0"),
+        (0, "2", "100000", "0"),
+        (0, "1", "0", "1"),
+        (5, "0", "0", "2"),
+        (0, "1000", "0", "2"),
     ],
 )
-def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, spread):
+def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, spread, alt):
     """v7 changes the schedule, not the arithmetic: outputs equal v6's bit for bit, also with
-    the persistent grid capped to a few blocks (each loops over many items) and the L2 prefetch
-    forced on or off."""
+    the persistent grid capped to a few blocks (each loops over many items), the L2 prefetches
+    forced on or off, one GEMM1 block per SM, and decode alternative 1 (same k-split, fewer rows
+    per block). Alternative 2 splits K over 2 warps instead of 4, which changes the fp32 sum
+    order: it is held to the float64 reference instead."""
     preset, layer, state = case
     m = 45
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=21)
@@ -175,6 +180,7 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, sprea
     monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", prefetch)
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "64" if prefetch != "0" else "0")
     monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_ROUTES", spread)
+    monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", alt)
     for bt in (0, 8, 32, 64):
         got = _run(backend, state, x, ids, w, bt=bt)
         ref = want if bt == 0 else None
@@ -182,9 +188,15 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, sprea
             monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
             ref = _run(backend, state, x, ids, w, bt=bt)
             monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
-        assert torch.equal(got, ref), f"cap={cap} prefetch={prefetch} bt={bt}"
+        if alt == "2":
+            if bt == 8:
+                want8 = _reference((preset.name, "v7"), layer, x, ids, w)
+                _check(got, want8, f"{preset.name} v7 alt=2 bt=8")
+            continue
+        assert torch.equal(got, ref), f"cap={cap} prefetch={prefetch} alt={alt} bt={bt}"
     ref = _reference((preset.name, "v7"), layer, x, ids, w)
-    _check(got, ref, f"{preset.name} v7 cap={cap} prefetch={prefetch} spread={spread}")
+    what = f"{preset.name} v7 cap={cap} prefetch={prefetch} spread={spread} alt={alt}"
+    _check(got, ref, what)
 
 
 def test_gate_and_up_global_scales_differ(case):

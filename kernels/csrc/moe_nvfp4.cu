@@ -93,6 +93,17 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
 
+// Decode alternatives (v7 only, BT = 8 calls, EXPERTD_KERNEL_DECODE_ALT=id; 0 = the table above).
+// Experiments, not picked by default: the benchmark times them beside the default so the next
+// decode change starts from measurements. GEMM2 keeps 32 rows per block (the partial-sum layout).
+//   id | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
+//    1 |        1  2  4  4  6 |        1  2  4  4  6 | 32-row GEMM1 blocks (256 items per expert,
+//      |                      |                      |   4 blocks per SM, 8 warps per barrier)
+//    2 |        1  4  2  4  6 |        1  2  2  4  6 | 2 k-groups per warp between barriers
+#define EXPERTD_FOR_EACH_DECODE_ALT(X) \
+  X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6) \
+  X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)
+
 // ------------------------------------ PTX helpers --------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -920,6 +931,12 @@ int grid_cap() {
   return (v && v[0]) ? atoi(v) : 0;
 }
 
+// v7 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs BT = 8 calls on decode alternative id.
+int decode_alt() {
+  const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
+  return (v && v[0]) ? atoi(v) : 0;
+}
+
 // v7 experiment (off by default): calls with at most this many routes launch GEMM1 with
 // kSpreadSmem of shared memory, so at most one of its blocks sits on an SM (at M = 1 the 128
 // blocks of the one hit expert on 128 SMs, never two on one). v4 tried this with v6's grid, where
@@ -932,7 +949,7 @@ int spread_routes() {
 
 // Resident blocks per SM of each v7 GEMM (index BT / 8, then GEMM1 / GEMM2), from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor at expertd_init; 0 = unknown (grid = all items).
-int g_occ[9][2] = {};
+int g_occ[16][2] = {};  // rows 0-8: BT / 8; 10 + id: decode alternative id
 
 int persistent_blocks(int occ, long long items) {
   int dev = 0, sms = 0;
@@ -944,8 +961,8 @@ int persistent_blocks(int occ, long long items) {
   return static_cast<int>(b < items ? b : items);
 }
 
-template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
-          int S2>
+template <int OCC, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2,
+          int K2, int S2>
 int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long long routes,
                  cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
@@ -966,12 +983,12 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
     g1.prefetch_tiles = 0;
     g2.prefetch_tiles = prefetch_tiles();
     const bool spread = routes <= spread_routes() && Sh1::kSmemBytes < kSpreadSmem;
-    const int occ1 = spread ? 1 : g_occ[BT / 8][0];
+    const int occ1 = spread ? 1 : g_occ[OCC][0];
     const size_t smem1 = spread ? kSpreadSmem : Sh1::kSmemBytes;
     if (int rc = launch("moe_gemm_v7 (gate/up)", k1, dim3(persistent_blocks(occ1, items1)),
                         dim3(Sh1::kThreads), smem1, stream, g1))
       return rc;
-    return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[BT / 8][1], items2)),
+    return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[OCC][1], items2)),
                   dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
   }
   auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
@@ -987,19 +1004,22 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
   return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
-template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
-          int S2>
+template <int OCC, bool V6, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2,
+          int NK2, int K2, int S2>
 int set_smem_attrs() {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
-  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
-  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
   auto p1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
   auto p2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  if (cudaFuncSetAttribute(k1, attr, Sh1::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(k2, attr, Sh2::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes > kSpreadSmem ? Sh1::kSmemBytes
+  if constexpr (V6) {
+    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
+    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
+    if (cudaFuncSetAttribute(k1, attr, Sh1::kSmemBytes) != cudaSuccess ||
+        cudaFuncSetAttribute(k2, attr, Sh2::kSmemBytes) != cudaSuccess)
+      return check_launch("cudaFuncSetAttribute");
+  }
+  if (cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes > kSpreadSmem ? Sh1::kSmemBytes
                                                                     : kSpreadSmem) != cudaSuccess ||
       cudaFuncSetAttribute(p2, attr, Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
@@ -1012,8 +1032,8 @@ int set_smem_attrs() {
     o1 = o2 = 0;
     cudaGetLastError();
   }
-  g_occ[BT / 8][0] = o1;
-  g_occ[BT / 8][1] = o2;
+  g_occ[OCC][0] = o1;
+  g_occ[OCC][1] = o2;
   return 0;
 }
 
@@ -1081,10 +1101,16 @@ long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int 
 // Raise the dynamic shared-memory limit of every compiled GEMM (call once per device, outside
 // graph capture).
 int expertd_init(void) {
-#define EXPERTD_INIT(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) return rc;
+#define EXPERTD_INIT(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                              \
+  if (int rc = set_smem_attrs<BT / 8, true, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())   \
+    return rc;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
 #undef EXPERTD_INIT
+#define EXPERTD_INIT_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                      \
+  if (int rc = set_smem_attrs<10 + ID, false, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) \
+    return rc;
+  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
+#undef EXPERTD_INIT_ALT
   return 0;
 }
 
@@ -1152,12 +1178,26 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
 
   int rc = 0;
-#define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                                 \
-  if (bt == BT)                                                                              \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, \
-                                                         a.m * a.top_k, stream);
+  const int alt = (kernel_path() == 7 && bt == 8) ? decode_alt() : 0;
+  bool launched = false;
+#define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
+  if (!alt && bt == BT) {                                                                   \
+    launched = true;                                                                        \
+    rc = launch_gemms<BT / 8, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                 \
+        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, stream);                              \
+  }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
+#define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
+  static_assert(16 * W2 * N2 == 32, "decode alternatives keep 32 GEMM2 rows per block");    \
+  if (alt == ID && bt == BT) {                                                              \
+    launched = true;                                                                        \
+    rc = launch_gemms<10 + ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                \
+        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, stream);                              \
+  }
+  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
+#undef EXPERTD_DISPATCH_ALT
+  if (!launched) return fail(1, "EXPERTD_KERNEL_DECODE_ALT names no compiled alternative");
   if (rc) return rc;
 
   return launch("finalize_kernel", finalize_kernel, dim3(static_cast<unsigned>(a.m)), dim3(256),
