@@ -239,6 +239,8 @@ def main() -> int:
         if m <= args.alt_max:  # decode alternatives (BT = 8 calls; moe_nvfp4.cu)
             variants["v7_alt1"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "1"}
             variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
+        if 256 <= m <= 512:  # BT = 24 calls
+            variants["v7_alt3"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "3"}
         if m <= args.spread_max:
             variants["v7_spread"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -363,7 +365,7 @@ def main() -> int:
     print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
     head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'spread':>8}"
-    head += f" {'alt1':>8} {'alt2':>8}"
+    head += f" {'alt1':>8} {'alt2|3':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -378,7 +380,8 @@ def main() -> int:
             f"{r['path_us'].get('v7_pf2', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_alt1', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_alt2', float('nan')):>8.1f} {r['graph_GBps']:>6.0f} "
+            f"{r['path_us'].get('v7_alt2', r['path_us'].get('v7_alt3', float('nan'))):>8.1f} "
+            f"{r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
         if baseline is not None:

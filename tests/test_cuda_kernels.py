@@ -159,14 +159,15 @@ def test_path_switch(backend, path):
         (0, "1", "0", "1"),
         (5, "0", "0", "2"),
         (0, "1000", "0", "2"),
+        (0, "1", "0", "3"),
     ],
 )
 def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, spread, alt):
     """v7 changes the schedule, not the arithmetic: outputs equal v6's bit for bit, also with
     the persistent grid capped to a few blocks (each loops over many items), the L2 prefetches
-    forced on or off, one GEMM1 block per SM, and decode alternative 1 (same k-split, fewer rows
-    per block). Alternative 2 splits K over 2 warps instead of 4, which changes the fp32 sum
-    order: it is held to the float64 reference instead."""
+    forced on or off, one GEMM1 block per SM, and alternatives 1 (fewer rows per block) and 3
+    (larger stages, same k-groups per warp in the same order). Alternative 2 splits K over 2
+    warps instead of 4, which changes the fp32 sum order: it is held to float64 instead."""
     preset, layer, state = case
     m = 45
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=21)
@@ -181,7 +182,7 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, sprea
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "64" if prefetch != "0" else "0")
     monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_ROUTES", spread)
     monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", alt)
-    for bt in (0, 8, 32, 64):
+    for bt in (0, 8, 24, 32, 64):
         got = _run(backend, state, x, ids, w, bt=bt)
         ref = want if bt == 0 else None
         if ref is None:

@@ -93,16 +93,20 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
 
-// Decode alternatives (v7 only, BT = 8 calls, EXPERTD_KERNEL_DECODE_ALT=id; 0 = the table above).
-// Experiments, not picked by default: the benchmark times them beside the default so the next
-// decode change starts from measurements. GEMM2 keeps 32 rows per block (the partial-sum layout).
-//   id | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
-//    1 |        1  2  4  4  6 |        1  2  4  4  6 | 32-row GEMM1 blocks (256 items per expert,
-//      |                      |                      |   4 blocks per SM, 8 warps per barrier)
-//    2 |        1  4  2  4  6 |        1  2  2  4  6 | 2 k-groups per warp between barriers
+// Alternatives (v7 only, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
+// table above). Experiments, not picked by default: the benchmark times them beside the default
+// so the next change starts from measurements. GEMM2 keeps the rows per block of the main
+// config of its BT (the partial-sum layout depends on it).
+//   id | BT | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
+//    1 |  8 |        1  2  4  4  6 |        1  2  4  4  6 | 32-row GEMM1 blocks (256 items per
+//      |    |                      |                      |   expert, 4 blocks per SM, 8 warps
+//      |    |                      |                      |   per barrier instead of 16)
+//    2 |  8 |        1  4  2  4  6 |        1  2  2  4  6 | 2 k-groups per warp between barriers
+//    3 | 24 |        1  4  2  4  3 |        1  4  2  4  3 | the same at BT = 24 (3 blocks per SM)
 #define EXPERTD_FOR_EACH_DECODE_ALT(X) \
-  X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6) \
-  X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)
+  X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)  \
+  X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)  \
+  X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -931,7 +935,7 @@ int grid_cap() {
   return (v && v[0]) ? atoi(v) : 0;
 }
 
-// v7 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs BT = 8 calls on decode alternative id.
+// v7 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs calls of the alternative's BT on it.
 int decode_alt() {
   const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
   return (v && v[0]) ? atoi(v) : 0;
@@ -1178,7 +1182,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
 
   int rc = 0;
-  const int alt = (kernel_path() == 7 && bt == 8) ? decode_alt() : 0;
+  int alt = kernel_path() == 7 ? decode_alt() : 0;
+#define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
+  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT))) alt = 0;
+  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
+#undef EXPERTD_ALT_MATCH
   bool launched = false;
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
   if (!alt && bt == BT) {                                                                   \
@@ -1189,7 +1197,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
 #define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
-  static_assert(16 * W2 * N2 == 32, "decode alternatives keep 32 GEMM2 rows per block");    \
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms<10 + ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                \
