@@ -266,8 +266,12 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
-  const int hits = __syncthreads_count(tid < el && cnt[tid] > 0);  // exact when el <= threads
-  if (tid >= 32 && pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads && hits) {
+  __syncthreads();
+  // Uniform condition: the second barrier (hit experts counted once all counts are in) only runs
+  // when the prefetch is on.
+  const bool pf_on = pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads;
+  const int hits = pf_on ? __syncthreads_count(tid < el && cnt[tid] > 0) : 0;
+  if (tid >= 32 && hits) {
     const long long per_kg = static_cast<long long>(hits) * pf.mt * 640;  // codes + bf16 scales
     const long long nkg = min(static_cast<long long>(pf.kg), pf.budget / per_kg);
     for (int e = 0; nkg > 0 && e < el; ++e) {
@@ -670,7 +674,6 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 // Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
 // layout) into L2: v7's GEMM2 issues it before waiting for GEMM1, so at decode the down
 // projection's bytes stream in while GEMM1 runs. A hint: no effect on results.
-
 template <int BT, int WM, int NW, int NK, int KG, int ST>
 __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
@@ -975,7 +978,7 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  if (kernel_path() == 7) {
+  if (OCC >= 10 || kernel_path() == 7) {  // alternatives (OCC >= 10) exist for v7 only
     auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
     auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
     const long long items1 = static_cast<long long>(t_max) * nx1;
@@ -995,17 +998,22 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
     return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[OCC][1], items2)),
                   dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
   }
-  auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
-  auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
-  // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
-  // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
-  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  dim3 grid1(nx1, t_max);
-  if (int rc = launch("moe_gemm (gate/up)", k1, grid1, dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                      stream, g1))
-    return rc;
-  dim3 grid2(nx2, t_max);
-  return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+  if constexpr (OCC < 10) {
+    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
+    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
+    // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one
+    // hit expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on
+    // others).
+    if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+    dim3 grid1(nx1, t_max);
+    if (int rc = launch("moe_gemm (gate/up)", k1, grid1, dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                        stream, g1))
+      return rc;
+    dim3 grid2(nx2, t_max);
+    return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
+                  g2);
+  }
+  return 0;
 }
 
 template <int OCC, bool V6, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2,
