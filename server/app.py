@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
+from expertd.server.malformed import MalformedRequestInterceptor
 from expertd.server.metrics import Metrics
 from expertd.server.oip import InferenceServicer
 from expertd.server.runner import BatchRunner
@@ -97,6 +98,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     """Bind and start answering (health NOT_SERVING until a bank is attached)."""
     limits, options = message_limits(config, hidden_size)
     interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
+    interceptors.append(MalformedRequestInterceptor())
     server = grpc.aio.server(options=options, interceptors=interceptors)
     metrics = Metrics()
     servicer = ExpertServicer(

@@ -224,11 +224,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                     task = asyncio.ensure_future(one(req))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-            finally:
+            finally:  # also when reading failed (e.g. an undecodable message): that
+                # error is raised to the handler by `await reader` below
                 draining.cancel()
-            while tasks:
-                await asyncio.gather(*list(tasks))
-            await results.put(None)
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await results.put(None)
 
         reader = asyncio.ensure_future(read())
         try:

@@ -268,11 +268,6 @@ METHODS = [
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # big repr
-@pytest.mark.xfail(
-    strict=True,
-    reason="bytes that are not a valid protobuf message get UNKNOWN ('Unexpected DecodeError'): "
-    "grpc's generated handlers deserialize before our code runs; SPEC 5 wants INVALID_ARGUMENT",
-)
 @settings(FUZZ, max_examples=40)
 @given(method=st.sampled_from(METHODS), raw=st.binary(max_size=256))
 def test_random_bytes_as_the_message(channel, shard_layers, method, raw):

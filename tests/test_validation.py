@@ -229,3 +229,16 @@ def test_oversized_message_is_resource_exhausted(limited, full_layers):
         limited.Forward(request(x, ids, w), timeout=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_good_request_works(limited, full_layers)
+
+
+@pytest.mark.parametrize("method", ["Forward", "ForwardStream", "Describe"])
+def test_undecodable_bytes_are_invalid_argument(addresses, stub, full_layers, method):
+    path = f"/expertd.v1.ExpertService/{method}"
+    with grpc.insecure_channel(addresses[0]) as ch, pytest.raises(grpc.RpcError) as info:
+        if method == "ForwardStream":  # raw bytes: no serializer on this side
+            list(ch.stream_stream(path)(iter([b"\xff\xff\xff"]), timeout=10))
+        else:
+            ch.unary_unary(path)(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == INVALID
+    assert f"not a valid message for {path}" in info.value.details()
+    assert_good_request_works(stub, full_layers)
