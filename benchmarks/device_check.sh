@@ -38,7 +38,9 @@ if [[ $what == all || $what == *bench* ]]; then
 fi
 if [[ $what == all || $what == *sanitize* ]]; then
   for tool in memcheck racecheck; do
-    timeout ${T_SAN:-90} compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \
+    # SAN_ENV: settings for the checked process, e.g. EXPERTD_KERNEL_GRID_CAP=3 (v7 blocks loop
+    # over many items, so racecheck sees the shared memory reused between items).
+    timeout ${T_SAN:-90} env ${SAN_ENV:-} compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \
       >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?
     tail -4 "$OUT/sanitize-$tool.log"
