@@ -241,6 +241,11 @@ def main() -> int:
             variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
         if 256 <= m <= 512:  # BT = 24 calls
             variants["v7_alt3"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "3"}
+        if m <= args.spread_max:  # W13 prefetched by route_kernel (one SM's copy engine)
+            variants["v7_routepf"] = {
+                "EXPERTD_KERNEL_PATH": "7",
+                "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "24",
+            }
         if m <= args.spread_max:
             variants["v7_spread"] = {
                 "EXPERTD_KERNEL_PATH": "7",

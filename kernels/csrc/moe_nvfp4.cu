@@ -17,8 +17,8 @@
 //   v6  GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or not, so
 //       most blocks find tile >= num_tiles and exit (80-90% of them at top-8 of 256, 32 experts).
 //   v7  persistent GEMM grids (blocks per SM x SMs) over work items (tile, n-block) taken from a
-//       counter; GEMM1 lets GEMM2's blocks in at once, and at decode GEMM2 prefetches its W2
-//       slab into L2 before waiting for GEMM1 and route_kernel prefetches the hit experts' W13.
+//       counter; GEMM1 lets GEMM2's blocks in at once; at decode (one tile) every GEMM block
+//       bulk-prefetches its whole weight slab into L2 as it starts, GEMM2's before it waits.
 //
 // GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
 // tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
@@ -223,9 +223,8 @@ __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
   return (e >= 0 && e < el) ? e : -1;
 }
 
-// v7 at decode: once the hit experts are counted, warps 1.. prefetch the start (in k) of every
-// m-tile row of their W13 into L2 while warp 0 scans, up to `budget` bytes in all, so GEMM1's
-// blocks find their first stages (at M = 1 the whole expert) in L2.
+// v7 experiment at decode: once the hit experts are counted, warps 1.. bulk-prefetch their whole
+// W13 into L2 (when it fits `budget`) while warp 0 scans.
 struct RoutePrefetch {
   const uint8_t* codes;   // W13 codes [El][Mt][K/64][512 B]
   const uint8_t* scales;  // W13 scales [El][Mt][K/64][128 B]
@@ -235,6 +234,7 @@ struct RoutePrefetch {
   int max_routes;         // only calls with at most this many routes
 };
 
+template <bool PF>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
     int num_experts, int el, int bt, int* __restrict__ sorted_route,
@@ -269,19 +269,23 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   __syncthreads();
   // Uniform condition: the second barrier (hit experts counted once all counts are in) only runs
   // when the prefetch is on.
-  const bool pf_on = pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads;
+  const bool pf_on = PF && pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads;
   const int hits = pf_on ? __syncthreads_count(tid < el && cnt[tid] > 0) : 0;
-  if (tid >= 32 && hits) {
-    const long long per_kg = static_cast<long long>(hits) * pf.mt * 640;  // codes + bf16 scales
-    const long long nkg = min(static_cast<long long>(pf.kg), pf.budget / per_kg);
-    for (int e = 0; nkg > 0 && e < el; ++e) {
+  const long long cbytes = static_cast<long long>(pf.mt) * pf.kg * 512;  // one expert's codes
+  const long long sbytes = static_cast<long long>(pf.mt) * pf.kg * 128;  // and scales
+  if (PF && tid >= 32 && hits && hits * (cbytes + sbytes) <= pf.budget) {
+    // Whole experts only (contiguous): 64 KB bulk prefetches, one per thread at a time (the
+    // instruction takes uniform operands, so a warp issues its lanes' addresses one by one).
+    constexpr long long kChunk = 64 << 10;
+    const long long per_e = (cbytes + kChunk - 1) / kChunk + (sbytes + kChunk - 1) / kChunk;
+    for (int e = 0; e < el; ++e) {
       if (cnt[e] == 0) continue;
-      for (int j = tid - 32; j < pf.mt; j += kRouteThreads - 32) {
-        const long long m = static_cast<long long>(e) * pf.mt + j;
-        const uint8_t* c = pf.codes + m * pf.kg * 512;
-        for (long long o = 0; o < nkg * 512; o += 4096)
-          prefetch_l2(c + o, static_cast<uint32_t>(min(4096LL, nkg * 512 - o)));
-        prefetch_l2(pf.scales + m * pf.kg * 128, static_cast<uint32_t>(nkg * 128));
+      for (long long i = tid - 32; i < per_e; i += kRouteThreads - 32) {
+        const long long nc = (cbytes + kChunk - 1) / kChunk;
+        const bool is_code = i < nc;
+        const long long o = (is_code ? i : i - nc) * kChunk, n = is_code ? cbytes : sbytes;
+        const uint8_t* base = is_code ? pf.codes + e * cbytes : pf.scales + e * sbytes;
+        prefetch_l2(base + o, static_cast<uint32_t>(min(kChunk, n - o)));
       }
     }
   }
@@ -677,15 +681,16 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 template <int BT, int WM, int NW, int NK, int KG, int ST>
 __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
+  if (threadIdx.x != 0) return;  // a few large bulk prefetches (uniform operands: one thread)
   const long long kg_count = a.k / 64;
   const long long m0 = static_cast<long long>(e) * a.mt + xb * S::kMTiles;
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.codes + m0 * kg_count * 32);
   const uint8_t* scales = reinterpret_cast<const uint8_t*>(a.scales + m0 * kg_count * 8);
   const long long cbytes = S::kMTiles * kg_count * 512, sbytes = S::kMTiles * kg_count * 128;
-  constexpr long long kChunk = 4096;  // multiples of 128 B, 16-B aligned (slabs are)
-  for (long long o = threadIdx.x * kChunk; o < cbytes; o += blockDim.x * kChunk)
+  constexpr long long kChunk = 32 << 10;  // slabs are 128-B multiples, 16-B aligned
+  for (long long o = 0; o < cbytes; o += kChunk)
     prefetch_l2(codes + o, static_cast<uint32_t>(min(kChunk, cbytes - o)));
-  for (long long o = threadIdx.x * kChunk; o < sbytes; o += blockDim.x * kChunk)
+  for (long long o = 0; o < sbytes; o += kChunk)
     prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
 }
 
@@ -717,6 +722,7 @@ __global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, S
     // The INT_MIN tests never fire on a real item (expert >= 0, route >= -1); they make the exit
     // wait for the loads, so ptxas cannot sink them below it (one round trip, not two).
     if (__syncthreads_or(w >= total || e_pre == INT_MIN || r_pre == INT_MIN)) return;
+    if (nt <= a.prefetch_tiles) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
     pdl_launch_dependents();
   } else {
     const int nt = ld_cg_now(a.num_tiles);
@@ -917,20 +923,22 @@ int kernel_path() {
   if (v && v[0]) return (v[0] == '6' || (v[0] == 'v' && v[1] == '6')) ? 6 : 7;
   return kDefaultPath;
 }
-// v7: GEMM2 prefetches its first item's weights into L2 when num_tiles <= this (default 1: one
-// expert's W2, 10 MiB, beside its W13, 20 MiB, in the 50 MB L2; 2 risks evictions before use,
-// measured as a benchmark variant); 0 = never.
+// v7: when num_tiles <= this, each GEMM block bulk-prefetches its first item's whole weight slab
+// into L2 as it starts (GEMM1: 160 KB in flight per SM instead of its 5-stage ring's 50 KB;
+// GEMM2: before it waits for GEMM1, so W2 streams in during GEMM1). Default 1: one expert's W13
+// and W2 (30 MiB) fit the 50 MB L2; 2 (60 MiB) risks evictions before use, a benchmark variant.
+// 0 = never.
 int prefetch_tiles() {
   const char* v = getenv("EXPERTD_KERNEL_PREFETCH");
   return (v && v[0]) ? atoi(v) : 1;
 }
-// v7: route_kernel prefetches up to this many bytes of the hit experts' W13 into L2 for calls
-// of at most kRoutePrefetchRoutes routes (M <= 8 at top_k = 8): default 20 MiB = one muse-spark
-// expert's W13, which with GEMM2's W2 prefetch (10 MiB) fits the L2. 0 = off.
+// v7 experiment (off by default): route_kernel prefetches the hit experts' whole W13 into L2
+// when they fit in this many MiB, for calls of at most kRoutePrefetchRoutes routes (M <= 8 at
+// top_k = 8). All from one SM's copy engine, but ~2 us before GEMM1's blocks start.
 constexpr int kRoutePrefetchRoutes = 64;
 long long route_prefetch_bytes() {
   const char* v = getenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB");
-  return ((v && v[0]) ? atoll(v) : 20LL) << 20;
+  return ((v && v[0]) ? atoll(v) : 0LL) << 20;
 }
 // v7: cap on the persistent grid (blocks), for tests that force many items per block; 0 = none.
 int grid_cap() {
@@ -987,8 +995,8 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
     g1.nx = nx1;
     g2.nx = nx2;
     g2.work_ctr = g1.work_ctr + 1;
-    g1.prefetch_tiles = 0;
-    g2.prefetch_tiles = prefetch_tiles();
+    g1.prefetch_tiles = prefetch_tiles();
+    g2.prefetch_tiles = g1.prefetch_tiles;
     const bool spread = routes <= spread_routes() && Sh1::kSmemBytes < kSpreadSmem;
     const int occ1 = spread ? 1 : g_occ[OCC][0];
     const size_t smem1 = spread ? kSpreadSmem : Sh1::kSmemBytes;
@@ -1152,7 +1160,9 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     pf.max_routes = kRoutePrefetchRoutes;
   }
 
-  if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
+  // route_kernel<true> only with the (experimental) W13 prefetch on: <false> is v6's kernel.
+  if (int rc = launch("route_kernel", pf.budget > 0 ? route_kernel<true> : route_kernel<false>,
+                      dim3(1), dim3(kRouteThreads),
                       sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
                       a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
                       c.num_tiles, c.work_ctr, pf))
