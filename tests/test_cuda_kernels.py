@@ -200,6 +200,23 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, sprea
     _check(got, ref, what)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_v7_decode_prefetches_bit_identical(case, backend, monkeypatch, m):
+    """M <= 8: route_kernel's W13 prefetch (experiment) and the slab prefetches on: v6's bits."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=31 + m, drop=0.0)
+    ids[0, : preset.top_k // 2] = torch.tensor(layer.experts[: preset.top_k // 2])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(32))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
+    want = _run(backend, state, x, ids, w)
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "1024")
+    monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", "1000")
+    assert torch.equal(_run(backend, state, x, ids, w), want)
+    _check(want, reference_forward(layer, x, ids, w), f"{preset.name} M={m} decode prefetch")
+
+
 def test_gate_and_up_global_scales_differ(case):
     _, layer, _ = case
     assert not torch.allclose(layer.gate.weight_scale_2, layer.up.weight_scale_2)
