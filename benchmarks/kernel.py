@@ -232,10 +232,16 @@ def main() -> int:
             variants["v7_nopf"] = {
                 "EXPERTD_KERNEL_PATH": "7",
                 "EXPERTD_KERNEL_PREFETCH": "0",
+                "EXPERTD_KERNEL_SELF_PREFETCH": "0",
                 "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "0",
             }
         if m <= args.nopf_max:
-            variants["v7_pf2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_PREFETCH": "2"}
+            variants["v7_pf2"] = {
+                "EXPERTD_KERNEL_PATH": "7",
+                "EXPERTD_KERNEL_PREFETCH": "2",
+                "EXPERTD_KERNEL_SELF_PREFETCH": "2",
+            }
+            variants["v7_pf8"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_SELF_PREFETCH": "8"}
         if m <= args.alt_max:  # decode alternatives (BT = 8 calls; moe_nvfp4.cu)
             variants["v7_alt1"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "1"}
             variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
@@ -369,7 +375,7 @@ def main() -> int:
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
     print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'spread':>8}"
+    head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'pf8':>8} {'spread':>8}"
     head += f" {'alt1':>8} {'alt2|3':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
@@ -383,6 +389,7 @@ def main() -> int:
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_pf2', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v7_pf8', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_alt1', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7_alt2', r['path_us'].get('v7_alt3', float('nan'))):>8.1f} "

@@ -13,8 +13,13 @@ Environment:
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
     EXPERTD_KERNEL_PATH     6 or 7: the GEMM path (default in moe_nvfp4.cu, kDefaultPath)
-    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 when num_tiles <= this (1; 0 off)
-    EXPERTD_KERNEL_ROUTE_PREFETCH_MIB  v7, M*top_k <= 64: W13 bytes prefetched (20; 0 off)
+    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 before waiting for GEMM1 when
+                            num_tiles <= this (1; 0 off)
+    EXPERTD_KERNEL_SELF_PREFETCH  v7: each GEMM item prefetches its weight slab into L2 as it
+                            starts when num_tiles <= this (1; 0 off)
+    EXPERTD_KERNEL_ROUTE_PREFETCH_MIB  v7 experiment, M*top_k <= 64: route_kernel prefetches the
+                            hit experts' whole W13 when it fits this many MiB (0, off)
+    EXPERTD_KERNEL_DECODE_ALT          v7 experiment: config alternative id (moe_nvfp4.cu; 0)
     EXPERTD_KERNEL_SPREAD_ROUTES       v7 experiment: one GEMM1 block per SM up to this many
                                        routes (0, off)
     EXPERTD_KERNEL_GRID_CAP v7: at most this many blocks per GEMM grid (tests; 0 = none)

@@ -179,6 +179,7 @@ def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, sprea
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
     monkeypatch.setenv("EXPERTD_KERNEL_GRID_CAP", str(cap))
     monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", prefetch)
+    monkeypatch.setenv("EXPERTD_KERNEL_SELF_PREFETCH", prefetch)
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "64" if prefetch != "0" else "0")
     monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_ROUTES", spread)
     monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", alt)
@@ -213,6 +214,7 @@ def test_v7_decode_prefetches_bit_identical(case, backend, monkeypatch, m):
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "1024")
     monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", "1000")
+    monkeypatch.setenv("EXPERTD_KERNEL_SELF_PREFETCH", "1000")
     assert torch.equal(_run(backend, state, x, ids, w), want)
     _check(want, reference_forward(layer, x, ids, w), f"{preset.name} M={m} decode prefetch")
 

@@ -365,7 +365,8 @@ struct GemmArgs {
   // v7 only
   int* work_ctr;               // items taken past the first grid (zeroed by route_kernel)
   int nx;                      // n-blocks per tile
-  int prefetch_tiles;          // GEMM2: prefetch the first item's weights to L2 when num_tiles <= this
+  int prefetch_tiles;          // GEMM2: first item's slab to L2 before the wait, num_tiles <= this
+  int self_prefetch_tiles;     // each item's slab to L2 as it starts when num_tiles <= this
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -399,6 +400,26 @@ struct GemmShape {
   static_assert(kRedBytes <= kSmemBytes, "the split-K reduction reuses the pipeline memory");
 };
 
+// Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
+// layout) into L2 (v7 at decode): a whole item's bytes requested at once, where the cp.async
+// ring keeps ST - 1 stages in flight; GEMM2 issues its first before waiting for GEMM1. A hint:
+// no effect on results.
+template <int BT, int WM, int NW, int NK, int KG, int ST>
+__device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
+  using S = GemmShape<BT, WM, NW, NK, KG, ST>;
+  if (threadIdx.x != 0) return;  // a few large bulk prefetches (uniform operands: one thread)
+  const long long kg_count = a.k / 64;
+  const long long m0 = static_cast<long long>(e) * a.mt + xb * S::kMTiles;
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.codes + m0 * kg_count * 32);
+  const uint8_t* scales = reinterpret_cast<const uint8_t*>(a.scales + m0 * kg_count * 8);
+  const long long cbytes = S::kMTiles * kg_count * 512, sbytes = S::kMTiles * kg_count * 128;
+  constexpr long long kChunk = 32 << 10;  // slabs are 128-B multiples, 16-B aligned
+  for (long long o = 0; o < cbytes; o += kChunk)
+    prefetch_l2(codes + o, static_cast<uint32_t>(min(kChunk, cbytes - o)));
+  for (long long o = 0; o < sbytes; o += kChunk)
+    prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
+}
+
 // One block = NW x NK warps: warp (wm, wk) owns m-tiles wm*WM.. and k-groups kg = wk, wk+NK, ...
 // of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
@@ -409,14 +430,16 @@ struct GemmShape {
 // use by the epilogue of some warps: the caller's __syncthreads separates two items.
 // `e_pre` / `r_pre` (v7's first item): the tile's expert and, for thread i < BT, sorted_route of
 // position i, loaded by the caller together with num_tiles (one round trip instead of three).
+// `pf` (v7): bulk-prefetch the item's weight slab into L2 first.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
                                           const bool trigger, const int e_pre = -1,
-                                          const int r_pre = -1) {
+                                          const int r_pre = -1, const bool pf = false) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
   const int e = e_pre >= 0 ? e_pre : a.tile_expert[tile];
+  if (pf) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e, xb);  // v7 at decode (thread 0)
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -675,25 +698,6 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
 }
 
-// Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
-// layout) into L2: v7's GEMM2 issues it before waiting for GEMM1, so at decode the down
-// projection's bytes stream in while GEMM1 runs. A hint: no effect on results.
-template <int BT, int WM, int NW, int NK, int KG, int ST>
-__device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
-  using S = GemmShape<BT, WM, NW, NK, KG, ST>;
-  if (threadIdx.x != 0) return;  // a few large bulk prefetches (uniform operands: one thread)
-  const long long kg_count = a.k / 64;
-  const long long m0 = static_cast<long long>(e) * a.mt + xb * S::kMTiles;
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.codes + m0 * kg_count * 32);
-  const uint8_t* scales = reinterpret_cast<const uint8_t*>(a.scales + m0 * kg_count * 8);
-  const long long cbytes = S::kMTiles * kg_count * 512, sbytes = S::kMTiles * kg_count * 128;
-  constexpr long long kChunk = 32 << 10;  // slabs are 128-B multiples, 16-B aligned
-  for (long long o = 0; o < cbytes; o += kChunk)
-    prefetch_l2(codes + o, static_cast<uint32_t>(min(kChunk, cbytes - o)));
-  for (long long o = 0; o < sbytes; o += kChunk)
-    prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
-}
-
 // v7: persistent grid of (blocks per SM x SMs) blocks over the work items w = tile * nx + xb
 // (the order v6's grid dispatches them). A block's first item is blockIdx.x; the next come from
 // a counter (zeroed by route_kernel) fetched at the start of each item, so its latency hides
@@ -712,6 +716,7 @@ __global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, S
   // First item: its expert (and GEMM1's route ids) load beside num_tiles; both index arrays hold
   // t_max tiles and w < t_max * nx, so the loads are in bounds even when the item is not real.
   int e_pre, r_pre = -1;
+  bool pf, pf_first;  // slab prefetch at the start of each item / of the first one
   if constexpr (GATED) {
     static_assert(BT <= NW * NK * 32, "one route id per thread");
     pdl_wait();
@@ -722,27 +727,31 @@ __global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, S
     // The INT_MIN tests never fire on a real item (expert >= 0, route >= -1); they make the exit
     // wait for the loads, so ptxas cannot sink them below it (one round trip, not two).
     if (__syncthreads_or(w >= total || e_pre == INT_MIN || r_pre == INT_MIN)) return;
-    if (nt <= a.prefetch_tiles) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
+    pf = nt <= a.self_prefetch_tiles;
+    pf_first = pf;
     pdl_launch_dependents();
   } else {
     const int nt = ld_cg_now(a.num_tiles);
     e_pre = ld_cg_now(a.tile_expert + w / a.nx);
     total = nt * a.nx;
     if (w >= total || e_pre == INT_MIN) return;  // see GEMM1: keeps the loads together
-    if (nt <= a.prefetch_tiles) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
+    const bool early = nt <= a.prefetch_tiles;  // W2 streams in while GEMM1 runs
+    if (early) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
+    pf = nt <= a.self_prefetch_tiles;
+    pf_first = pf && !early;
     pdl_wait();
     pdl_launch_dependents();
   }
   int next = 0;
   if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, e_pre, r_pre);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, e_pre, r_pre, pf_first);
   for (;;) {
     if (threadIdx.x == 0) s_next = next;
     __syncthreads();  // the item's shared memory is free; s_next is visible
     w = s_next;
     if (w >= total) break;
     if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false);
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, -1, -1, pf);
   }
 }
 
@@ -932,6 +941,13 @@ int prefetch_tiles() {
   const char* v = getenv("EXPERTD_KERNEL_PREFETCH");
   return (v && v[0]) ? atoi(v) : 1;
 }
+// v7: every item of both GEMMs bulk-prefetches its own slab as it starts when num_tiles <= this
+// (default 1, with the above: the same single-expert calls; a benchmark variant tries 8, where
+// up to 264 slabs of 160 KB, 42 MB, are in flight at once).
+int self_prefetch_tiles() {
+  const char* v = getenv("EXPERTD_KERNEL_SELF_PREFETCH");
+  return (v && v[0]) ? atoi(v) : 1;
+}
 // v7 experiment (off by default): route_kernel prefetches the hit experts' whole W13 into L2
 // when they fit in this many MiB, for calls of at most kRoutePrefetchRoutes routes (M <= 8 at
 // top_k = 8). All from one SM's copy engine, but ~2 us before GEMM1's blocks start.
@@ -995,8 +1011,9 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
     g1.nx = nx1;
     g2.nx = nx2;
     g2.work_ctr = g1.work_ctr + 1;
-    g1.prefetch_tiles = prefetch_tiles();
-    g2.prefetch_tiles = g1.prefetch_tiles;
+    g1.prefetch_tiles = 0;
+    g2.prefetch_tiles = prefetch_tiles();
+    g1.self_prefetch_tiles = g2.self_prefetch_tiles = self_prefetch_tiles();
     const bool spread = routes <= spread_routes() && Sh1::kSmemBytes < kSpreadSmem;
     const int occ1 = spread ? 1 : g_occ[OCC][0];
     const size_t smem1 = spread ? kSpreadSmem : Sh1::kSmemBytes;
