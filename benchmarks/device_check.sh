@@ -36,6 +36,14 @@ if [[ $what == all || $what == *bench* ]]; then
   timeout ${T_BENCH:-240} python3 benchmarks/kernel.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -22
   summary+=("bench: rc=$?")
 fi
+if [[ $what == all || $what == *server* ]]; then
+  # The shard server with the cuda backend behind real gRPC (graphs and eager), vs float64.
+  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py tests/test_cuda_client.py >"$OUT/server-tests.log" 2>&1
+  rc=$?
+  grep -E "rel err" "$OUT/server-tests.log"
+  tail -3 "$OUT/server-tests.log"
+  summary+=("server tests: rc=$rc $(tail -1 "$OUT/server-tests.log")")
+fi
 if [[ $what == all || $what == *sanitize* ]]; then
   for tool in memcheck racecheck; do
     # SAN_ENV: settings for the checked process, e.g. EXPERTD_KERNEL_GRID_CAP=3 (v7 blocks loop
@@ -46,14 +54,6 @@ if [[ $what == all || $what == *sanitize* ]]; then
     tail -4 "$OUT/sanitize-$tool.log"
     summary+=("$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)")
   done
-fi
-if [[ $what == all || $what == *server* ]]; then
-  # The shard server with the cuda backend behind real gRPC (graphs and eager), vs float64.
-  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py tests/test_cuda_client.py >"$OUT/server-tests.log" 2>&1
-  rc=$?
-  grep -E "rel err" "$OUT/server-tests.log"
-  tail -3 "$OUT/server-tests.log"
-  summary+=("server tests: rc=$rc $(tail -1 "$OUT/server-tests.log")")
 fi
 if [[ $what == all || $what == *service* ]]; then
   # 8 shard processes on this one GPU + the real client: end to end, transport, batching.
