@@ -43,6 +43,7 @@ class AsyncExpertClient:
         retry_backoff: float = 0.01,
         refresh_s: float = 10.0,
         transport: str = "stream",
+        attempt_share: float = 0.5,
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
@@ -50,7 +51,12 @@ class AsyncExpertClient:
         retry_backoff: first pause before a retry (doubles, jittered);
         refresh_s: how often a live address is re-described;
         transport: "stream" (calls multiplexed over one ForwardStream per replica: the
-        faster, see client/stream.py) or "unary" (one Forward RPC per shard and call)."""
+        faster, see client/stream.py) or "unary" (one Forward RPC per shard and call);
+        attempt_share: the part of the time left an attempt gets when another live
+        replica could take over (a stalled replica then costs only that part)."""
+        if not 0 < attempt_share <= 1:
+            raise ValueError(f"attempt_share must be in (0, 1], not {attempt_share}")
+        self.attempt_share = attempt_share
         if transport not in ("stream", "unary"):
             raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
         self.transport = transport
@@ -231,19 +237,31 @@ class AsyncExpertClient:
         request = forward_request(layer, inputs, part)
         tried: dict[str, str] = {}
         last, ep = None, None
+        addresses = topo.shards[part.shard].addresses
         while len(tried) < self.max_attempts:
-            ep = self._pool.pick(topo.shards[part.shard].addresses, tried)
+            ep = self._pool.pick(addresses, tried)
             remaining = deadline - time.monotonic()
             if ep is None or remaining <= 0:
                 break
+            # With another live replica to fall back on, an attempt gets a share of
+            # the time left, so a replica that stalls (accepts, never answers) costs
+            # part of the deadline, not all of it.
+            backup = self._pool.has_live(addresses, {*tried, ep.address})
+            budget = remaining * self.attempt_share if backup else remaining
             ep.outstanding += 1
             try:
-                reply = await self._forward_rpc(ep, request, remaining, md)
+                reply = await self._forward_rpc(ep, request, budget, md)
             except grpc.RpcError as e:
                 last = (ep.address, e.code(), e.details())
                 tried[ep.address] = f"{e.code().name}: {e.details()}"
-                if e.code() not in RETRYABLE:
+                stalled = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and budget < remaining
+                if e.code() not in RETRYABLE and not stalled:
                     raise ShardCallError(*last[:1], layer, part.experts, *last[1:], tried) from None
+                if stalled:  # out of rotation until a probe gets an answer again
+                    tried[ep.address] = f"no answer within {budget:.3g} s"
+                    if ep.stream is not None:
+                        ep.stream.close()
+                        ep.stream = None
                 self._pool.mark_down(ep, tried[ep.address])
                 pause = self.retry_backoff * 2 ** (len(tried) - 1) * random.uniform(0.5, 1.5)
                 await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))

@@ -82,6 +82,10 @@ class Pool:
         ]
         return min(live, key=lambda t: t[:2])[2] if live else None
 
+    def has_live(self, addresses: tuple[str, ...], exclude) -> bool:
+        """Is any of `addresses` in rotation, besides those in `exclude`?"""
+        return any(self.endpoints[a].alive for a in addresses if a not in exclude)
+
     def down(self, addresses=None) -> dict[str, str]:
         """address -> why, for those out of rotation (of `addresses`, or all)."""
         names = self.endpoints if addresses is None else addresses

@@ -102,13 +102,6 @@ def test_stalled_replica_never_hangs_a_call(replicated, stalled):
     bounded_failures(stalled, 1.5, replicated[1]["a"].address)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client/aio.py _send: a call whose replica stalls ends in DEADLINE_EXCEEDED "
-    "instead of moving to the healthy twin (no per-attempt timeout or hedge: the attempt "
-    "gets the call's whole deadline), and DEADLINE_EXCEEDED does not take the replica out "
-    "of rotation (not in RETRYABLE, client/replicas.py), so new calls keep picking it",
-)
 def test_stalled_replica_fails_over_to_its_twin(stalled):
     assert_clean(stalled)
 
