@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path
+from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path, pick_bt
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.nvfp4 import Nvfp4Weight, quantize
 from expertd.kernels.reference import RMS_EPS, relative_error
@@ -159,7 +159,7 @@ def main() -> int:
     result = {
         "date": date,
         "kind": args.kind,
-        "default_path": kernel_path(),
+        "default_path": kernel_path() or "auto: v7 from BT 64, v6 below",
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
@@ -321,7 +321,7 @@ def main() -> int:
             "graph_us": t_graph * 1e6,
             "eager_us": t_eager * 1e6,
             "graph_no_pdl_us": None if t_nopdl is None else t_nopdl * 1e6,
-            "path": kernel_path(),
+            "path": kernel_path(pick_bt(m, TOP_K, E)),
             "path_us": path_us,
             "graph_x_floor": t_graph / floor,
             "graph_GBps": hit * expert_bytes / t_graph / 1e9,
@@ -359,7 +359,7 @@ def main() -> int:
         ax.loglog(mm, [r["graph_us"] for r in rows], "o-", label="cuda (graph)")
         ax.loglog(mm, [r["eager_us"] for r in rows], ".-", label="cuda (eager)")
         v6 = [(r["M"], r["path_us"]["v6"]) for r in rows if "v6" in r["path_us"]]
-        if v6 and kernel_path() != 6:
+        if v6:
             ax.loglog([a for a, _ in v6], [b for _, b in v6], "x:", label="cuda v6 (graph)")
         if baseline is not None:
             ax.loglog(mm, [r["baseline_us"] for r in rows], "s-", label="baseline bf16 torch")
@@ -373,7 +373,11 @@ def main() -> int:
         print(f"plot skipped: {exc}", file=sys.stderr)
 
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
-    print(f"default GEMM path: v{kernel_path()} (graph us); v6/v7 columns: the paths A/B")
+    forced = kernel_path()
+    print(
+        f"GEMM path (graph us column): {f'v{forced}' if forced else 'default by BT (path column)'}"
+        "; v6/v7 columns: each path forced"
+    )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
     head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'pf8':>8} {'spread':>8}"
     head += f" {'alt1':>8} {'alt2|3':>8}"

@@ -75,19 +75,24 @@ def load_library() -> ctypes.CDLL:
             ]
             lib.expertd_init.restype = ctypes.c_int
             lib.expertd_kernel_path.restype = ctypes.c_int
-            lib.expertd_kernel_path.argtypes = []
+            lib.expertd_kernel_path.argtypes = [ctypes.c_int]
             lib.expertd_moe_forward.restype = ctypes.c_int
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
             _LIB = lib
         return _LIB
 
 
-def kernel_path() -> int:
-    """The GEMM path a forward made now takes: 7 (persistent grid + L2 prefetch) or 6.
+def kernel_path(bt: int = 0) -> int:
+    """The GEMM path (6 or 7) a forward with tile size `bt` takes now; bt = 0: the path forced by
+    `EXPERTD_KERNEL_PATH=6|7`, or 0 when none is (then v7 from BT = 64, v6 below; moe_nvfp4.cu).
 
-    `EXPERTD_KERNEL_PATH=6` (or 7) in the environment overrides the compiled default; the choice
-    is read per call, so a CUDA graph keeps the path it was captured with."""
-    return int(load_library().expertd_kernel_path())
+    Read per call, so a CUDA graph keeps the path it was captured with."""
+    return int(load_library().expertd_kernel_path(bt))
+
+
+def pick_bt(m: int, top_k: int, num_experts: int) -> int:
+    """The tile size the library picks for a call (expertd_pick_bt)."""
+    return int(load_library().expertd_pick_bt(m, top_k, num_experts))
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:

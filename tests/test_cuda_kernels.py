@@ -144,6 +144,15 @@ def test_path_switch(backend, path):
     from expertd.kernels.cuda import kernel_path
 
     assert kernel_path() == path
+    assert kernel_path(8) == path and kernel_path(64) == path
+
+
+def test_default_path_by_tile_size(backend, monkeypatch):
+    from expertd.kernels.cuda import kernel_path
+
+    monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
+    assert kernel_path() == 0  # nothing forced
+    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64)] == [6, 6, 6, 6, 6, 7]
 
 
 @pytest.mark.parametrize(

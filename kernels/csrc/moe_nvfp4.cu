@@ -923,14 +923,20 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
-// Kernel path per call: 7 (default) or 6, EXPERTD_KERNEL_PATH=6 / 7 overrides (benchmark A/B,
-// tests of both). v6 = grid (n-blocks, t_max) as measured in NOTES.md; v7 = persistent grid
-// over work items + GEMM2's L2 prefetch at decode. Same arithmetic: bit-identical outputs.
-constexpr int kDefaultPath = 7;
-int kernel_path() {
+// GEMM path per call: v6 = grid (n-blocks, t_max); v7 = persistent grid over work items (+ L2
+// prefetch at decode). Same arithmetic: bit-identical outputs. Default by tile size, from the
+// v7 run (H200, 2026-11-29, NOTES.md): v7 from BT = kV7MinBt (M >= 2048: 1.5-5.5% faster, the
+// ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was 15-25% slower at BT 8-32).
+// EXPERTD_KERNEL_PATH=6 / 7 forces one path for every call (benchmark A/B, tests of both).
+constexpr int kV7MinBt = 64;
+int forced_path() {
   const char* v = getenv("EXPERTD_KERNEL_PATH");
   if (v && v[0]) return (v[0] == '6' || (v[0] == 'v' && v[1] == '6')) ? 6 : 7;
-  return kDefaultPath;
+  return 0;
+}
+int kernel_path(int bt) {
+  const int f = forced_path();
+  return f ? f : (bt >= kV7MinBt ? 7 : 6);
 }
 // v7: when num_tiles <= this, each GEMM block bulk-prefetches its first item's whole weight slab
 // into L2 as it starts (GEMM1: 160 KB in flight per SM instead of its 5-stage ring's 50 KB;
@@ -1002,7 +1008,7 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  if (OCC >= 10 || kernel_path() == 7) {  // alternatives (OCC >= 10) exist for v7 only
+  if (OCC >= 10 || kernel_path(BT) == 7) {  // alternatives (OCC >= 10) exist for v7 only
     auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
     auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
     const long long items1 = static_cast<long long>(t_max) * nx1;
@@ -1108,8 +1114,9 @@ struct ExpertdMoeArgs {
 
 const char* expertd_last_error(void) { return g_error; }
 
-// The GEMM path a call made now would take (6 or 7; EXPERTD_KERNEL_PATH overrides the default).
-int expertd_kernel_path(void) { return kernel_path(); }
+// The GEMM path (6 or 7) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces one;
+// otherwise v7 from BT = 64); bt = 0: the forced path, or 0 when none is forced.
+int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29):
@@ -1168,7 +1175,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
   RoutePrefetch pf{};
-  if (kernel_path() == 7) {
+  if (kernel_path(bt) == 7) {
     pf.codes = static_cast<const uint8_t*>(a.w13_codes);
     pf.scales = static_cast<const uint8_t*>(a.w13_scales);
     pf.mt = 2 * a.inter / 16;
@@ -1217,7 +1224,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
 
   int rc = 0;
-  int alt = kernel_path() == 7 ? decode_alt() : 0;
+  int alt = kernel_path(bt) == 7 ? decode_alt() : 0;
 #define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT))) alt = 0;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
