@@ -136,11 +136,13 @@ def sweep(addresses, preset, ms, reps):
                 t0 = time.perf_counter()
                 client.forward(0, x, ids, w)
                 e2e.append(time.perf_counter() - t0)
-            busiest = []
+            busiest, parts = [], []
             reqs = per_shard_requests(preset, len(addresses), x, ids, w)
             for _ in range(reps):  # each shard alone, so its compute is not queued behind others
-                times = [stubs[s].Forward(r, timeout=300).timing.compute_us for s, r in reqs]
-                busiest.append(max(times))
+                timings = [stubs[s].Forward(r, timeout=300).timing for s, r in reqs]
+                slowest = max(timings, key=lambda t: t.compute_us)
+                busiest.append(slowest.compute_us)
+                parts.append((slowest.stage_us, slowest.device_us, slowest.total_us))
             # Bytes on the wire: every request, and every shard's bf16 answer.
             moved = sum(
                 r.ByteSize() + r.hidden_states.shape[0] * preset.hidden_size * 2 for _, r in reqs
@@ -152,6 +154,10 @@ def sweep(addresses, preset, ms, reps):
                     "M": m,
                     "e2e_us": t * 1e6,
                     "busiest_compute_us": c * 1e6,
+                    # of the busiest shard (median): host gathering, device + wait, all
+                    "busiest_stage_us": statistics.median(p[0] for p in parts),
+                    "busiest_device_us": statistics.median(p[1] for p in parts),
+                    "busiest_server_total_us": statistics.median(p[2] for p in parts),
                     "overhead_x": t / c if c else None,
                     "bytes": moved,
                     "GBps": moved / t / 1e9,
@@ -346,12 +352,13 @@ def main() -> int:
         f"\nexpertd service: {preset.name}, 8 shards on {device_name}, TCP loopback; raw socket {raw:.2f} GB/s"
     )
     print(
-        f"{'M':>6} | {'e2e us':>9} | {'shard us':>9} | {'overhead':>8} | {'GB/s':>6} | {'of raw':>6} | {'tok/s':>9}"
+        f"{'M':>6} | {'e2e us':>9} | {'shard us':>9} | {'(device)':>9} | {'overhead':>8} | "
+        f"{'GB/s':>6} | {'of raw':>6} | {'tok/s':>9}"
     )
     for r in rows:
         print(
             f"{r['M']:>6} | {r['e2e_us']:>9.0f} | {r['busiest_compute_us']:>9.0f} | "
-            f"{r['overhead_x']:>7.2f}x | {r['GBps']:>6.2f} | {r['GBps'] / raw:>6.1%} | {r['tokens_per_s']:>9.0f}"
+            f"{r['busiest_device_us']:>9.0f} | {r['overhead_x']:>7.2f}x | {r['GBps']:>6.2f} | {r['GBps'] / raw:>6.1%} | {r['tokens_per_s']:>9.0f}"
         )
     for kind, vals in transport.items():
         for v in vals:

@@ -178,6 +178,8 @@ class Batcher:
             args[0].layer, [a.x for a in args], [a.ids for a in args], [a.weights for a in args]
         )
         computed = time.perf_counter_ns()
+        stage = self.runner.stage_ns
+        batch_tokens = sum(j.tokens for j in jobs)
         results, row = [], 0
         for job in jobs:
             rows = job.tokens
@@ -188,6 +190,10 @@ class Batcher:
                     queue_us=(started - job.received_ns) // 1000,
                     compute_us=(computed - started) // 1000,
                     total_us=(time.perf_counter_ns() - job.received_ns) // 1000,
+                    stage_us=stage // 1000,
+                    device_us=(computed - started - stage) // 1000,
+                    batch_requests=len(jobs),
+                    batch_tokens=batch_tokens,
                 )
                 results.append((wire.encode(out[row : row + rows]), timing))
             row += rows

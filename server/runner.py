@@ -25,6 +25,7 @@ class BatchRunner:
         self.bank = bank
         self.device = bank.backend.device
         self._pinned: dict[str, torch.Tensor] = {}
+        self.stage_ns = 0  # of the last run: gathering into host buffers
         self.graphs: GraphBank | None = None
         buckets = [b for b in DEFAULT_BUCKETS if b <= graph_max_tokens]
         if buckets and capturable(bank.backend):
@@ -96,13 +97,16 @@ class BatchRunner:
         them before the next run."""
         state = self.bank.state(layer)
         backend = self.bank.backend
+        start = time.perf_counter_ns()
         if self.device.type != "cuda":
             x, i, w = self._gather(xs, ids, ws, pinned=False)
+            self.stage_ns = time.perf_counter_ns() - start
             bad = ~(torch.isfinite(x).all(dim=1) & torch.isfinite(w).all(dim=1))
             if x.shape[0] == 0:
                 return torch.zeros((0, self.bank.info.hidden_size), dtype=torch.bfloat16), bad
             return backend.forward(state, x, i, w), bad
         x, i, w = self._gather(xs, ids, ws, pinned=True)
+        self.stage_ns = time.perf_counter_ns() - start  # the rest is device work and its wait
         m, h = x.shape[0], self.bank.info.hidden_size
         out_host = self._buffer("out", (m, h), torch.bfloat16)
         bad_host = self._buffer("bad", (m, 1), torch.bool).view(m)

@@ -53,14 +53,22 @@ class ForwardRequest(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., trace_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_us", "compute_us", "total_us")
+    __slots__ = ("queue_us", "compute_us", "total_us", "stage_us", "device_us", "batch_requests", "batch_tokens")
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    STAGE_US_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_us: int
     compute_us: int
     total_us: int
-    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+    stage_us: int
+    device_us: int
+    batch_requests: int
+    batch_tokens: int
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ..., stage_us: _Optional[int] = ..., device_us: _Optional[int] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
