@@ -26,7 +26,7 @@ def cache_dir() -> Path:
 def add_demo_arguments(p) -> None:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--preset", default="auto", help="small | muse-spark | auto (GPU: muse-spark)")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="default: 2 (small), 1 (muse-spark)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--batch-sizes", default="1,7,64,512", help="comma-separated token counts")
@@ -57,18 +57,23 @@ def _reference(args, preset, layer: int, checkpoint: Path | None, device: str):
         full = CheckpointReader(str(checkpoint)).load_layer(layer, list(range(preset.num_experts)))
         return lambda x, ids, w: reference_forward(full, x, ids, w, torch.float64)
 
-    def per_shard(x, ids, w):  # muse-spark: one shard's experts at a time, on the device
+    # Full size: the same synthetic weights the shards made (NVFP4, 864 MiB a shard on
+    # the device), drawn once, in parallel (torch releases the GIL while drawing).
+    from concurrent.futures import ThreadPoolExecutor
+
+    def draw(s: int):
+        experts = shard_experts(preset.num_experts, s, args.shards)
+        return synthetic_layer(preset, args.seed, layer, experts, device=device)
+
+    with ThreadPoolExecutor(min(args.shards, os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(draw, range(args.shards)))
+
+    def per_shard(x, ids, w):  # fp32 on the device, one shard's experts at a time
         total = torch.zeros(x.shape, dtype=torch.float64)
-        for s in range(args.shards):
-            experts = shard_experts(preset.num_experts, s, args.shards)
-            part = synthetic_layer(preset, args.seed, layer, experts, device=device)
+        for part in parts:
             dev = part.norm_weight.device
-            total += (
-                reference_forward(part, x.to(dev), ids.to(dev), w.to(dev), torch.float32)
-                .cpu()
-                .double()
-            )
-            del part
+            out = reference_forward(part, x.to(dev), ids.to(dev), w.to(dev), torch.float32)
+            total += out.cpu().double()
         return total
 
     return per_shard
@@ -87,6 +92,8 @@ def run_demo(args) -> int:
         args.preset if args.preset != "auto" else ("muse-spark" if device == "cuda" else "small")
     )
     preset = get_preset(preset_name)
+    if args.layers is None:
+        args.layers = 2 if preset.name == "small" else 1
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     started = time.perf_counter()
 
