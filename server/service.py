@@ -29,6 +29,14 @@ from expertd.v1 import expertd_pb2_grpc as pb_grpc
 log = logging.getLogger("expertd.server")
 
 STREAM_WINDOW = 64  # requests of one stream in flight at once
+# Requests up to this many tokens are validated on the event loop (tens of us);
+# larger ones on the prep pool, so the loop never stalls on a big scan.
+INLINE_ROWS = 64
+
+
+def _rows(req: pb.ForwardRequest) -> int:
+    shape = req.hidden_states.shape
+    return shape[0] if len(shape) == 2 and shape[0] >= 0 else INLINE_ROWS + 1
 
 
 def _quiet(task: asyncio.Task) -> None:
@@ -129,9 +137,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.metrics.inflight.set(self._inflight)
         try:
             loop = asyncio.get_running_loop()
-            args = await loop.run_in_executor(
-                self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
-            )
+            if _rows(req) <= INLINE_ROWS:  # small: a thread hop costs more than the checks
+                args = parse_forward(req, bank.info, self.limits, bank.has_layer)
+            else:
+                args = await loop.run_in_executor(
+                    self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
+                )
             job = Job(args, deadline, received, loop.create_future())
             self.batcher.submit(job)
             output, timing = await job.future
