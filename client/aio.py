@@ -80,6 +80,7 @@ class AsyncExpertClient:
         self._pool = Pool(endpoints, refresh_s=refresh_s)
         self._prober: asyncio.Task | None = None
         self._turn = 0
+        self._candidates: dict = {}  # (topology, layer, live shards) -> candidates table
         self.topology: Topology | None = None
 
     @classmethod
@@ -134,6 +135,7 @@ class AsyncExpertClient:
                 ep = self._pool.endpoints[a]
                 self._pool.mark_down(ep, f"(H, I, E) = {got}, but {alive[0]} has {want}")
         self.topology = Topology.from_describe(known)
+        self._candidates.clear()
 
     async def refresh(self, timeout: float | None = None) -> Topology:
         """Describe every address now and rebuild the map; starts background probing."""
@@ -215,7 +217,13 @@ class AsyncExpertClient:
             if s not in avoid and any(self._pool.endpoints[a].alive for a in shard.addresses)
         }
         self._turn += 1
-        owner = assign_owners(topo.candidates(layer, live), ids, self._turn)
+        key = (id(topo), layer, frozenset(live))
+        candidates = self._candidates.get(key)
+        if candidates is None:  # one table per topology, layer and set of live shards
+            if len(self._candidates) > 256:
+                self._candidates.clear()
+            candidates = self._candidates[key] = topo.candidates(layer, live)
+        owner = assign_owners(candidates, ids, self._turn)
         return split_routes(owner, ids, weights), missing_experts(owner, ids)
 
     async def _probe_owners(self, topo, layer, lost, deadline) -> bool:

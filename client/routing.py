@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from expertd.v1 import expertd_pb2 as pb
@@ -68,30 +69,34 @@ def assign_owners(candidates: torch.Tensor, topk_ids: torch.Tensor, turn: int = 
 
     An expert with one candidate goes to it; the redundant ones, busiest first,
     go to their candidate with the fewest routes so far (ties rotate with
-    `turn`, so equal loads alternate between calls). Index E (id -1) is -1."""
-    num_shards, width = candidates.shape
-    ids = topk_ids.long()
-    counts = torch.bincount(ids[ids >= 0], minlength=width)  # [E + 1] routes per expert
-    how_many = candidates.sum(dim=0)
-    owner = torch.where(how_many > 0, candidates.int().argmax(dim=0), -1).long()
+    `turn`, so equal loads alternate between calls). Index E (id -1) is -1.
+    Host work per call is a few numpy operations: it sits on every call's path."""
+    cand = candidates.numpy()  # [S, E + 1]
+    num_shards, width = cand.shape
+    how_many = cand.sum(axis=0)
+    owner = np.where(how_many > 0, cand.argmax(axis=0), -1).astype(np.int64)
     owner[-1] = -1
-    single = how_many == 1
-    load = torch.zeros(num_shards, dtype=torch.int64)
-    load.index_add_(0, owner[single], counts[single])
-    redundant = ((how_many > 1) & (counts > 0)).nonzero().squeeze(1)
-    for e in sorted(redundant.tolist(), key=lambda e: -int(counts[e])):
-        options = candidates[:, e].nonzero().squeeze(1).tolist()
-        best = min(options, key=lambda s: (int(load[s]), (s - turn) % num_shards))
-        owner[e] = best
-        load[best] += counts[e]
-    return owner
+    if how_many.max(initial=0) > 1:  # redundant experts: balance this call's routes
+        ids = topk_ids.numpy().ravel()
+        counts = np.bincount(ids[ids >= 0], minlength=width)  # [E + 1] routes per expert
+        single = how_many == 1
+        load = np.zeros(num_shards, dtype=np.int64)
+        np.add.at(load, owner[single], counts[single])
+        redundant = np.flatnonzero((how_many > 1) & (counts > 0))
+        for e in sorted(redundant.tolist(), key=lambda e: -int(counts[e])):
+            options = np.flatnonzero(cand[:, e]).tolist()
+            best = min(options, key=lambda s: (int(load[s]), (s - turn) % num_shards))
+            owner[e] = best
+            load[best] += counts[e]
+    return torch.from_numpy(owner)
 
 
 def missing_experts(owner: torch.Tensor, topk_ids: torch.Tensor) -> list[int]:
     """Routed experts (ids >= 0) that no shard owns."""
-    ids = topk_ids.long()
-    lost = ids[(ids >= 0) & (owner[ids % owner.numel()] < 0)]
-    return sorted(set(lost.tolist()))
+    ids = topk_ids.numpy().astype(np.int64)
+    own = owner.numpy()
+    lost = ids[(ids >= 0) & (own[ids % own.size] < 0)]
+    return np.unique(lost).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,21 +112,35 @@ def split_routes(
     owner: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> list[ShardPart]:
     """One part per shard with >= 1 owned route: the tokens that have one, and
-    only their routes to this shard, packed to the left ([Ms, Ks], -1 padded)."""
-    routes = owner[topk_ids.long() % owner.numel()]  # [M, K]: owning shard, -1 = none
+    only their routes to this shard, packed to the left ([Ms, Ks], -1 padded).
+
+    numpy on views of the host tensors: a handful of microseconds per shard
+    where the same torch calls cost tens (this runs on every call's path)."""
+    own = owner.numpy()
+    ids_all = topk_ids.numpy()
+    w_all = topk_weights.numpy()
+    routes = own[ids_all.astype(np.int64) % own.size]  # [M, K]: owning shard, -1 = none
     parts = []
-    for shard in sorted(set(routes[routes >= 0].tolist())):
+    for shard in np.unique(routes[routes >= 0]).tolist():
         mine = routes == shard  # [M, K]
-        tokens = mine.any(dim=1).nonzero().squeeze(1)  # [Ms]
-        mine = mine[tokens]  # [Ms, Ks_full]
-        width = int(mine.sum(dim=1).max())
+        tokens = np.flatnonzero(mine.any(axis=1))  # [Ms]
+        mine = mine[tokens]  # [Ms, K]
+        width = int(mine.sum(axis=1).max())
         # Stable sort puts the owned routes first, in their original order.
-        order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        keep = torch.gather(mine, 1, order)
-        ids = torch.gather(topk_ids[tokens].to(torch.int32), 1, order)
-        weights = torch.gather(topk_weights[tokens].to(torch.float32), 1, order)
-        ids = torch.where(keep, ids, torch.full_like(ids, -1))
-        weights = torch.where(keep, weights, torch.zeros_like(weights))
-        experts = sorted(set(ids[keep].tolist()))
-        parts.append(ShardPart(shard, tokens, ids, weights, experts))
+        order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+        keep = np.take_along_axis(mine, order, axis=1)
+        ids = np.take_along_axis(ids_all[tokens], order, axis=1).astype(np.int32)
+        weights = np.take_along_axis(w_all[tokens], order, axis=1).astype(np.float32)
+        ids[~keep] = -1
+        weights[~keep] = 0.0
+        experts = np.unique(ids[keep]).tolist()
+        parts.append(
+            ShardPart(
+                shard,
+                torch.from_numpy(tokens.astype(np.int64)),
+                torch.from_numpy(ids),
+                torch.from_numpy(weights),
+                experts,
+            )
+        )
     return parts

@@ -1,0 +1,80 @@
+"""Routing, exhaustively on random cases: every owned route goes to exactly one
+shard that owns its expert, with its weight, in its original order; nothing else
+is sent; unowned experts are reported."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expertd.client.routing import assign_owners, missing_experts, split_routes
+
+
+@st.composite
+def cases(draw):
+    e = draw(st.integers(1, 24))
+    s = draw(st.integers(1, 5))
+    cand = torch.tensor(
+        draw(st.lists(st.lists(st.booleans(), min_size=e, max_size=e), min_size=s, max_size=s))
+    )
+    candidates = torch.cat((cand, torch.zeros((s, 1), dtype=torch.bool)), dim=1)  # [S, E + 1]
+    m = draw(st.integers(0, 12))
+    k = draw(st.integers(1, 6))
+    ids = torch.tensor(
+        draw(
+            st.lists(
+                st.lists(st.integers(-1, e - 1), min_size=k, max_size=k), min_size=m, max_size=m
+            )
+        ),
+        dtype=torch.int32,
+    ).reshape(m, k)
+    weights = torch.rand((m, k), generator=torch.Generator().manual_seed(m * 31 + k))
+    return candidates, ids, weights, draw(st.integers(0, 9))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(cases())
+def test_every_owned_route_once_to_an_owner(case):
+    candidates, ids, weights, turn = case
+    owner = assign_owners(candidates, ids, turn)
+    e = candidates.shape[1] - 1
+    assert owner.shape == (e + 1,) and owner[-1] == -1
+    for x in range(e):  # an owner is a candidate; no candidate, no owner
+        assert (owner[x] == -1) == (not candidates[:, x].any())
+        if owner[x] >= 0:
+            assert candidates[owner[x], x]
+    parts = split_routes(owner, ids, weights)
+    sent = {}
+    for p in parts:
+        assert p.topk_ids.dtype == torch.int32 and p.topk_weights.dtype == torch.float32
+        assert p.topk_ids.shape == p.topk_weights.shape == (p.tokens.numel(), p.topk_ids.shape[1])
+        for row, t in enumerate(p.tokens.tolist()):
+            got = [
+                (int(i), float(w))
+                for i, w in zip(p.topk_ids[row], p.topk_weights[row], strict=True)
+                if i >= 0
+            ]
+            assert got, "a token is sent only with at least one route"
+            assert all(owner[i] == p.shard for i, _ in got)
+            assert (p.topk_weights[row][p.topk_ids[row] < 0] == 0).all()
+            sent[(t, p.shard)] = got
+    for t in range(ids.shape[0]):  # exactly the owned routes, in their order, per shard
+        for shard in range(candidates.shape[0]):
+            want = [
+                (int(i), float(w))
+                for i, w in zip(ids[t], weights[t], strict=True)
+                if i >= 0 and owner[i] == shard
+            ]
+            assert sent.get((t, shard), []) == want
+    lost = sorted({int(i) for i in ids.flatten() if i >= 0 and owner[i] < 0})
+    assert missing_experts(owner, ids) == lost
+
+
+def test_redundant_experts_are_balanced():
+    candidates = torch.zeros((2, 5), dtype=torch.bool)
+    candidates[:, :4] = True  # both shards own experts 0-3
+    ids = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]], dtype=torch.int32)
+    owner = assign_owners(candidates, ids)
+    per_shard = [sum(int((ids == x).sum()) for x in range(4) if owner[x] == s) for s in (0, 1)]
+    assert per_shard == [4, 4]
