@@ -53,6 +53,7 @@ class ForwardStream:
     async def forward(self, request: pb.ForwardRequest, timeout: float) -> pb.ForwardResponse:
         """Send `request` (its request_id is overwritten) and wait for its answer."""
         request.request_id = rid = next(self._ids)
+        request.timeout_us = max(int(timeout * 1e6), 1)  # the server drops it once passed
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
         try:

@@ -186,7 +186,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
         async def one(req: pb.ForwardRequest) -> None:
             try:
-                resp = await self._forward(req, None)
+                deadline = time.monotonic() + req.timeout_us / 1e6 if req.timeout_us else None
+                resp = await self._forward(req, deadline)
                 self._count("ForwardStream", grpc.StatusCode.OK)
             except RequestError as e:
                 self._count("ForwardStream", e.code)

@@ -140,6 +140,25 @@ def test_expired_request_is_not_computed(bank0):
         assert sample(server, "expertd_tokens_total") == 2048  # the small one never ran
 
 
+def test_expired_stream_request_is_not_computed(bank0):
+    """On a stream the caller's wait travels in timeout_us; past it, no compute."""
+    with BackgroundServer(shard_config(0), bank=bank0) as server:
+        big, _ = make_request(2048, 1, k=8)
+        small, _ = make_request(2, 2)
+        small.timeout_us = 10_000
+        small.request_id = 7
+        with open_channel(server.address) as ch:
+            stub = pb_grpc.ExpertServiceStub(ch)
+            slow = stub.Forward.future(big, timeout=60)
+            while not server.servicer.batcher.computing:  # the big one holds the device
+                time.sleep(0.001)
+            (reply,) = list(stub.ForwardStream(iter([small]), timeout=60))
+            slow.result()
+        assert reply.request_id == 7
+        assert reply.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert sample(server, "expertd_tokens_total") == 2048  # the small one never ran
+
+
 @pytest.fixture(scope="module")
 def authed(bank0):
     with BackgroundServer(shard_config(0, auth_token=TOKEN), bank=bank0) as server:

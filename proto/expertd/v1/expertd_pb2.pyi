@@ -35,7 +35,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("layer", "hidden_states", "topk_ids", "topk_weights", "request_id", "trace_id", "instance_id")
+    __slots__ = ("layer", "hidden_states", "topk_ids", "topk_weights", "request_id", "trace_id", "instance_id", "timeout_us")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class ForwardRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden_states: Tensor
     topk_ids: Tensor
@@ -50,7 +51,8 @@ class ForwardRequest(_message.Message):
     request_id: int
     trace_id: str
     instance_id: str
-    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., trace_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    timeout_us: int
+    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., trace_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us", "stage_us", "device_us", "batch_requests", "batch_tokens")
