@@ -61,13 +61,14 @@ def decode(msg: pb.Tensor, name: str, max_elements: int = 2**40) -> torch.Tensor
     if numel > max_elements:
         raise WireError(f"{name}: declared shape {list(shape)} is larger than any accepted request")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(msg.data) != numel * itemsize:
+    data = msg.data  # each access of a bytes field copies it (upb): read it once
+    if len(data) != numel * itemsize:
         raise WireError(
-            f"{name}: {len(msg.data)} bytes for shape {list(shape)} of "
+            f"{name}: {len(data)} bytes for shape {list(shape)} of "
             f"{dtype_name(msg.dtype)}, expected {numel * itemsize}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():  # bytes are immutable; we never write through the view
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+        return torch.frombuffer(data, dtype=dtype).view(shape)
