@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
+from expertd.server.codec import parse_forward_request
 from expertd.server.config import ServerConfig
 from expertd.server.malformed import MalformedRequestInterceptor
 from expertd.server.metrics import Metrics
@@ -28,7 +29,6 @@ from expertd.server.security import BearerAuthInterceptor, server_credentials
 from expertd.server.service import ExpertServicer
 from expertd.server.validate import Limits
 from expertd.v1 import expertd_pb2 as pb
-from expertd.v1 import expertd_pb2_grpc as pb_grpc
 from expertd.v1 import inference_pb2 as oip
 from expertd.v1 import inference_pb2_grpc as oip_grpc
 
@@ -84,6 +84,32 @@ def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list
     return limits, options
 
 
+def add_expert_service(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
+    """Register expertd.v1.ExpertService like the generated code does, except that
+    requests carrying tensors are read off the received bytes without a copy
+    (server/codec.py) instead of through protobuf's parse."""
+    response = pb.ForwardResponse.SerializeToString
+    handlers = {
+        "Forward": grpc.unary_unary_rpc_method_handler(
+            servicer.Forward,
+            request_deserializer=parse_forward_request,
+            response_serializer=response,
+        ),
+        "ForwardStream": grpc.stream_stream_rpc_method_handler(
+            servicer.ForwardStream,
+            request_deserializer=parse_forward_request,
+            response_serializer=response,
+        ),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe,
+            request_deserializer=pb.DescribeRequest.FromString,
+            response_serializer=pb.DescribeResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def batch_policy(config: ServerConfig) -> BatchPolicy:
     return BatchPolicy(
         window_s=config.batch_window_us / 1e6,
@@ -109,7 +135,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         config.num_shards,
         max_inflight=config.max_inflight,
     )
-    pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    add_expert_service(servicer, server)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(servicer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

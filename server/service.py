@@ -34,8 +34,8 @@ STREAM_WINDOW = 64  # requests of one stream in flight at once
 INLINE_ROWS = 64
 
 
-def _rows(req: pb.ForwardRequest) -> int:
-    shape = req.hidden_states.shape
+def _rows(req) -> int:
+    shape = req.hidden_states.shape if req.HasField("hidden_states") else []
     return shape[0] if len(shape) == 2 and shape[0] >= 0 else INLINE_ROWS + 1
 
 

@@ -1,0 +1,145 @@
+"""ForwardRequest read straight off the received bytes.
+
+protobuf (upb) copies a message's bytes into its arena when it parses, and
+copies a bytes field again each time it is read: two full copies of every
+tensor before we see it. This reader walks the wire format of the one message
+that carries tensors and returns memoryviews into the received buffer: no copy.
+It reads exactly the proto3 encoding protobuf writes (fields in any order,
+unknown fields skipped, packed or unpacked `shape`, last scalar wins) and raises
+protobuf's DecodeError where protobuf would refuse the bytes.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+_TENSORS = {2: "hidden_states", 3: "topk_ids", 4: "topk_weights"}
+
+
+class TensorView:
+    """A Tensor message's fields; `data` is a memoryview into the request."""
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self) -> None:
+        self.dtype = 0
+        self.shape: list[int] = []
+        self.data = memoryview(b"")
+
+
+class ForwardRequestView:
+    """What the server reads of a ForwardRequest, with pb.ForwardRequest's names."""
+
+    __slots__ = (
+        "hidden_states",
+        "instance_id",
+        "layer",
+        "request_id",
+        "timeout_us",
+        "topk_ids",
+        "topk_weights",
+        "trace_id",
+    )
+
+    def __init__(self) -> None:
+        self.layer = 0
+        self.request_id = 0
+        self.trace_id = ""
+        self.instance_id = ""
+        self.timeout_us = 0
+        self.hidden_states = self.topk_ids = self.topk_weights = None
+
+    def HasField(self, name: str) -> bool:  # protobuf's name, so both kinds read alike
+        return getattr(self, name) is not None
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise DecodeError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value & 0xFFFFFFFFFFFFFFFF, pos
+        shift += 7
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _int32(value: int) -> int:
+    return ((value & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
+def _fields(buf: memoryview, pos: int, end: int):
+    """(field number, wire type, value) for each field; value: int or memoryview."""
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise DecodeError("field number 0")
+        if wire == 0:
+            value, pos = _varint(buf, pos, end)
+        elif wire == 2:
+            size, pos = _varint(buf, pos, end)
+            if size > end - pos:
+                raise DecodeError("truncated length-delimited field")
+            value, pos = buf[pos : pos + size], pos + size
+        elif wire in (1, 5):
+            width = 8 if wire == 1 else 4
+            if width > end - pos:
+                raise DecodeError("truncated fixed-width field")
+            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
+        else:
+            raise DecodeError(f"unsupported wire type {wire}")
+        yield number, wire, value
+
+
+def _tensor(buf: memoryview, into: TensorView | None) -> TensorView:
+    t = into or TensorView()  # a repeated embedded message merges, as protobuf does
+    for number, wire, value in _fields(buf, 0, len(buf)):
+        if number == 1 and wire == 0:
+            t.dtype = _int32(value)
+        elif number == 2 and wire == 0:
+            t.shape.append(_signed(value))
+        elif number == 2 and wire == 2:  # packed
+            pos = 0
+            while pos < len(value):
+                item, pos = _varint(value, pos, len(value))
+                t.shape.append(_signed(item))
+        elif number == 3 and wire == 2:
+            t.data = value
+        # anything else (unknown fields, a known number with another wire type) is
+        # skipped, as protobuf keeps it as an unknown field
+    return t
+
+
+def _text(value) -> str:
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("string field is not valid UTF-8") from None
+
+
+def parse_forward_request(data: bytes) -> ForwardRequestView:
+    """Received bytes -> ForwardRequestView (tensor bytes not copied)."""
+    buf = memoryview(data)
+    req = ForwardRequestView()
+    for number, wire, value in _fields(buf, 0, len(buf)):
+        if number in _TENSORS and wire == 2:
+            name = _TENSORS[number]
+            setattr(req, name, _tensor(value, getattr(req, name)))
+        elif number == 1 and wire == 0:
+            req.layer = value & 0xFFFFFFFF
+        elif number == 5 and wire == 0:
+            req.request_id = value
+        elif number == 6 and wire == 2:
+            req.trace_id = _text(value)
+        elif number == 7 and wire == 2:
+            req.instance_id = _text(value)
+        elif number == 8 and wire == 0:
+            req.timeout_us = value
+    return req
