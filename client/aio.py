@@ -19,14 +19,13 @@ import time
 import grpc
 import torch
 
-from expertd.client.channels import TLS, call_metadata, metadata_tuples, open_channel
+from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import Inputs, Piece, combine, forward_request, stage_inputs, to_caller
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import RETRYABLE, Endpoint, Pool
 from expertd.client.routing import ShardPart, Topology, assign_owners, missing_experts, split_routes
 from expertd.client.stream import ForwardStream
 from expertd.v1 import expertd_pb2 as pb
-from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
 
 class AsyncExpertClient:
@@ -76,7 +75,7 @@ class AsyncExpertClient:
         endpoints = {}
         for a in self.addresses:
             channel = open_channel(a, tls)
-            endpoints[a] = Endpoint(a, channel, pb_grpc.ExpertServiceStub(channel))
+            endpoints[a] = Endpoint(a, channel, ExpertStub(channel))
         self._pool = Pool(endpoints, refresh_s=refresh_s)
         self._prober: asyncio.Task | None = None
         self._turn = 0

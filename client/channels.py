@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from expertd.codec import parse_forward_response
+from expertd.v1 import expertd_pb2 as pb
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -61,6 +64,30 @@ def open_channel(address: str, tls: TLS | None) -> grpc.aio.Channel:
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
+class ExpertStub:
+    """expertd.v1.ExpertService on a channel, like the generated stub, except that
+    Forward answers are read off the received bytes without a copy (expertd/codec.py)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        service = "/expertd.v1.ExpertService/"
+        request = pb.ForwardRequest.SerializeToString
+        self.Forward = channel.unary_unary(
+            service + "Forward",
+            request_serializer=request,
+            response_deserializer=parse_forward_response,
+        )
+        self.ForwardStream = channel.stream_stream(
+            service + "ForwardStream",
+            request_serializer=request,
+            response_deserializer=parse_forward_response,
+        )
+        self.Describe = channel.unary_unary(
+            service + "Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.DescribeResponse.FromString,
+        )
 
 
 def metadata_tuples(metadata) -> list[tuple[str, str]]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from expertd.client.channels import ExpertStub
 from expertd.client.stream import ForwardStream
 from expertd.v1 import expertd_pb2 as pb
-from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
 # Statuses after which another replica may well succeed: the replica is down,
 # draining or its connection broke, or it restarted since we described it
@@ -37,7 +37,7 @@ RETRYABLE = frozenset(
 class Endpoint:
     address: str
     channel: grpc.aio.Channel
-    stub: pb_grpc.ExpertServiceStub
+    stub: ExpertStub
     info: pb.DescribeResponse | None = None  # last Describe answer
     alive: bool = False
     why: str = "not described yet"  # why it is out of rotation

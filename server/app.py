@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertd.codec import parse_forward_request
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
-from expertd.server.codec import parse_forward_request
 from expertd.server.config import ServerConfig
 from expertd.server.malformed import MalformedRequestInterceptor
 from expertd.server.metrics import Metrics
@@ -87,7 +87,7 @@ def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list
 def add_expert_service(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
     """Register expertd.v1.ExpertService like the generated code does, except that
     requests carrying tensors are read off the received bytes without a copy
-    (server/codec.py) instead of through protobuf's parse."""
+    (expertd/codec.py) instead of through protobuf's parse."""
     response = pb.ForwardResponse.SerializeToString
     handlers = {
         "Forward": grpc.unary_unary_rpc_method_handler(

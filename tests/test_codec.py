@@ -7,7 +7,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertd.server.codec import parse_forward_request
+from expertd.codec import parse_forward_request, parse_forward_response
 from expertd.v1 import expertd_pb2 as pb
 
 i64 = st.integers(-(2**63), 2**63 - 1)
@@ -81,3 +81,38 @@ def test_refuses_what_protobuf_refuses(raw):
     except DecodeError:
         return  # stricter on odd encodings (groups): still the caller's mistake
     same(view, msg)
+
+
+@st.composite
+def responses(draw):
+    fields = {"request_id": draw(st.integers(0, 2**64 - 1))}
+    if draw(st.booleans()):
+        fields["output"] = draw(tensors)
+    if draw(st.booleans()):
+        fields["error"] = pb.Error(
+            code=draw(st.integers(-(2**31), 2**31 - 1)), message=draw(st.text(max_size=8))
+        )
+    if draw(st.booleans()):
+        fields["timing"] = pb.Timing(
+            queue_us=draw(st.integers(0, 2**64 - 1)), batch_tokens=draw(st.integers(0, 2**32 - 1))
+        )
+    return pb.ForwardResponse(**fields)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(responses())
+def test_response_reader_agrees_with_protobuf(msg):
+    view = parse_forward_response(msg.SerializeToString())
+    assert view.request_id == msg.request_id
+    for name in ("output", "error"):
+        assert view.HasField(name) == msg.HasField(name), name
+    if msg.HasField("output"):
+        got = view.output
+        assert (got.dtype, list(got.shape), bytes(got.data)) == (
+            msg.output.dtype,
+            list(msg.output.shape),
+            msg.output.data,
+        )
+    if msg.HasField("error"):
+        assert (view.error.code, view.error.message) == (msg.error.code, msg.error.message)
+    assert view.timing == msg.timing

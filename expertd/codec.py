@@ -1,9 +1,10 @@
-"""ForwardRequest read straight off the received bytes.
+"""ForwardRequest and ForwardResponse read straight off the received bytes.
 
 protobuf (upb) copies a message's bytes into its arena when it parses, and
 copies a bytes field again each time it is read: two full copies of every
-tensor before we see it. This reader walks the wire format of the one message
-that carries tensors and returns memoryviews into the received buffer: no copy.
+tensor before we see it. These readers walk the wire format of the two messages
+that carry tensors (the server reads requests, the client responses) and return
+memoryviews into the received buffer: no copy.
 It reads exactly the proto3 encoding protobuf writes (fields in any order,
 unknown fields skipped, packed or unpacked `shape`, last scalar wins) and raises
 protobuf's DecodeError where protobuf would refuse the bytes.
@@ -12,6 +13,8 @@ protobuf's DecodeError where protobuf would refuse the bytes.
 from __future__ import annotations
 
 from google.protobuf.message import DecodeError
+
+from expertd.v1 import expertd_pb2 as pb
 
 _TENSORS = {2: "hidden_states", 3: "topk_ids", 4: "topk_weights"}
 
@@ -143,3 +146,51 @@ def parse_forward_request(data: bytes) -> ForwardRequestView:
         elif number == 8 and wire == 0:
             req.timeout_us = value
     return req
+
+
+class ErrorView:
+    __slots__ = ("code", "message")
+
+    def __init__(self) -> None:
+        self.code = 0
+        self.message = ""
+
+
+class ForwardResponseView:
+    """What the client reads of a ForwardResponse, with pb.ForwardResponse's names."""
+
+    __slots__ = ("_timing", "error", "output", "request_id")
+
+    def __init__(self) -> None:
+        self.request_id = 0
+        self.output = self.error = None
+        self._timing = None
+
+    def HasField(self, name: str) -> bool:  # protobuf's name, so both kinds read alike
+        return getattr(self, name) is not None
+
+    @property
+    def timing(self) -> pb.Timing:
+        """Small: parsed by protobuf, on demand."""
+        return pb.Timing.FromString(bytes(self._timing or b""))
+
+
+def parse_forward_response(data: bytes) -> ForwardResponseView:
+    """Received bytes -> ForwardResponseView (the output's bytes not copied)."""
+    buf = memoryview(data)
+    resp = ForwardResponseView()
+    for number, wire, value in _fields(buf, 0, len(buf)):
+        if number == 1 and wire == 0:
+            resp.request_id = value
+        elif number == 2 and wire == 2:
+            resp.output = _tensor(value, resp.output)
+        elif number == 3 and wire == 2:
+            resp.error = resp.error or ErrorView()
+            for n, w, v in _fields(value, 0, len(value)):
+                if n == 1 and w == 0:
+                    resp.error.code = _int32(v)
+                elif n == 2 and w == 2:
+                    resp.error.message = _text(v)
+        elif number == 4 and wire == 2:
+            resp._timing = bytes(resp._timing or b"") + bytes(value)  # merges, as protobuf
+    return resp
