@@ -194,3 +194,51 @@ def parse_forward_response(data: bytes) -> ForwardResponseView:
         elif number == 4 and wire == 2:
             resp._timing = bytes(resp._timing or b"") + bytes(value)  # merges, as protobuf
     return resp
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    value &= 0xFFFFFFFFFFFFFFFF
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(number: int, size: int) -> bytes:
+    return _put_varint(number << 3 | 2) + _put_varint(size)
+
+
+def encode_forward_response(
+    request_id: int, dtype: int, shape: tuple[int, ...], payload, timing: pb.Timing | None
+) -> bytes:
+    """A serialized ForwardResponse with `payload` (any buffer: e.g. a memoryview
+    of pinned memory) as output.data, copied once, straight into the result.
+    Byte for byte what protobuf writes for the same message."""
+    payload = memoryview(payload)
+    payload = payload.cast("B") if payload.nbytes else memoryview(b"")
+    packed = b"".join(_put_varint(d) for d in shape)
+    head = b""
+    if dtype:
+        head += b"\x08" + _put_varint(dtype)
+    if packed:
+        head += _len_field(2, len(packed)) + packed
+    data_head = _len_field(3, payload.nbytes) if payload.nbytes else b""
+    tensor_size = len(head) + len(data_head) + payload.nbytes
+    parts = [
+        (b"\x08" + _put_varint(request_id)) if request_id else b"",
+        _len_field(2, tensor_size),
+        head,
+        data_head,
+        payload,
+    ]
+    if timing is not None:
+        t = timing.SerializeToString()
+        parts += [_len_field(4, len(t)), t]
+    return b"".join(parts)
+
+
+def serialize_forward_response(response) -> bytes:
+    """Response serializer: prebuilt bytes pass through, messages serialize."""
+    return response if isinstance(response, bytes) else response.SerializeToString()

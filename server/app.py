@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from expertd.codec import parse_forward_request
+from expertd.codec import parse_forward_request, serialize_forward_response
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
@@ -88,7 +88,7 @@ def add_expert_service(servicer: ExpertServicer, server: grpc.aio.Server) -> Non
     """Register expertd.v1.ExpertService like the generated code does, except that
     requests carrying tensors are read off the received bytes without a copy
     (expertd/codec.py) instead of through protobuf's parse."""
-    response = pb.ForwardResponse.SerializeToString
+    response = serialize_forward_response  # answers come serialized, errors as messages
     handlers = {
         "Forward": grpc.unary_unary_rpc_method_handler(
             servicer.Forward,

@@ -19,8 +19,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
-from expertd import wire
+from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.validate import ForwardArgs, RequestError, invalid
@@ -33,6 +34,7 @@ class Job:
     deadline: float | None  # time.monotonic() value, or None
     received_ns: int  # time.perf_counter_ns() at arrival
     future: asyncio.Future
+    request_id: int = 0  # echoed in the response
     tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +197,13 @@ class Batcher:
                     batch_requests=len(jobs),
                     batch_tokens=batch_tokens,
                 )
-                results.append((wire.encode(out[row : row + rows]), timing))
+                # The whole serialized response, its output copied once from the
+                # (pinned, reused) output buffer: before the next batch runs.
+                payload = out[row : row + rows].view(torch.uint8).numpy()
+                shape = (rows, out.shape[1])
+                results.append(
+                    encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
+                )
             row += rows
         m = self.metrics
         m.batch_tokens.observe(row)
@@ -210,8 +218,6 @@ class Batcher:
 
 def _not_finite(args: ForwardArgs) -> RequestError:
     """Name the first non-finite input element (rare path: a host scan is fine)."""
-    import torch
-
     for name, t in (("hidden_states", args.x), ("topk_weights", args.weights)):
         mask = ~torch.isfinite(t)
         if bool(mask.any()):

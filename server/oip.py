@@ -13,6 +13,7 @@ import time
 import grpc
 
 import expertd
+from expertd.codec import parse_forward_response
 from expertd.server.service import ExpertServicer
 from expertd.server.validate import RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
@@ -87,7 +88,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             self.experts._count("ModelInfer", e.code)
             await context.abort(e.code, e.message)
         self.experts._count("ModelInfer", grpc.StatusCode.OK)
-        out = reply.output
+        out = parse_forward_response(reply).output
         return oip.ModelInferResponse(
             model_name=MODEL,
             model_version=VERSION,
@@ -97,7 +98,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                     name="output", datatype="BF16", shape=list(out.shape)
                 )
             ],
-            raw_output_contents=[out.data],
+            raw_output_contents=[bytes(out.data)],
         )
 
 

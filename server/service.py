@@ -143,10 +143,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 args = await loop.run_in_executor(
                     self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
                 )
-            job = Job(args, deadline, received, loop.create_future())
+            job = Job(args, deadline, received, loop.create_future(), req.request_id)
             self.batcher.submit(job)
-            output, timing = await job.future
-            return pb.ForwardResponse(request_id=req.request_id, output=output, timing=timing)
+            return await job.future  # the serialized ForwardResponse (codec)
         finally:
             self._inflight -= 1
             self.metrics.inflight.set(self._inflight)

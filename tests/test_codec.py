@@ -7,7 +7,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertd.codec import parse_forward_request, parse_forward_response
+from expertd.codec import encode_forward_response, parse_forward_request, parse_forward_response
 from expertd.v1 import expertd_pb2 as pb
 
 i64 = st.integers(-(2**63), 2**63 - 1)
@@ -116,3 +116,23 @@ def test_response_reader_agrees_with_protobuf(msg):
     if msg.HasField("error"):
         assert (view.error.code, view.error.message) == (msg.error.code, msg.error.message)
     assert view.timing == msg.timing
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 6),
+    st.lists(st.integers(0, 2**40), max_size=3),
+    st.binary(max_size=64),
+    st.none()
+    | st.builds(pb.Timing, queue_us=st.integers(0, 2**40), batch_tokens=st.integers(0, 9)),
+)
+def test_response_writer_is_protobufs_bytes(request_id, dtype, shape, payload, timing):
+    msg = pb.ForwardResponse(
+        request_id=request_id, output=pb.Tensor(dtype=dtype, shape=shape, data=payload)
+    )
+    if timing is not None:
+        msg.timing.CopyFrom(timing)
+    got = encode_forward_response(request_id, dtype, tuple(shape), payload, timing)
+    assert pb.ForwardResponse.FromString(got) == msg
+    assert got == msg.SerializeToString()
