@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from expertd.codec import parse_forward_response
+from expertd.codec import parse_forward_response, serialize_forward_request
 from expertd.v1 import expertd_pb2 as pb
 
 CHANNEL_OPTIONS = [
@@ -72,7 +72,7 @@ class ExpertStub:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         service = "/expertd.v1.ExpertService/"
-        request = pb.ForwardRequest.SerializeToString
+        request = serialize_forward_request  # ForwardRequestOut or a message
         self.Forward = channel.unary_unary(
             service + "Forward",
             request_serializer=request,

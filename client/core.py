@@ -15,6 +15,7 @@ import torch
 
 from expertd import wire
 from expertd.client.routing import ShardPart, Topology
+from expertd.codec import ForwardRequestOut
 from expertd.v1 import expertd_pb2 as pb
 
 
@@ -72,13 +73,9 @@ def stage_inputs(
     return Inputs(x, ids, weights, hidden_states.device)
 
 
-def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> pb.ForwardRequest:
-    return pb.ForwardRequest(
-        layer=layer,
-        hidden_states=wire.encode(inputs.x[part.tokens]),
-        topk_ids=wire.encode(part.topk_ids),
-        topk_weights=wire.encode(part.topk_weights),
-    )
+def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> ForwardRequestOut:
+    """This shard's request; its tensors reach the wire in one copy (expertd/codec.py)."""
+    return ForwardRequestOut(layer, inputs.x[part.tokens], part.topk_ids, part.topk_weights)
 
 
 @dataclass(frozen=True, slots=True)

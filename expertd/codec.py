@@ -12,9 +12,11 @@ protobuf's DecodeError where protobuf would refuse the bytes.
 
 from __future__ import annotations
 
+import torch
 from google.protobuf.message import DecodeError
 
 from expertd.v1 import expertd_pb2 as pb
+from expertd.wire import WIRE_DTYPE
 
 _TENSORS = {2: "hidden_states", 3: "topk_ids", 4: "topk_weights"}
 
@@ -242,3 +244,68 @@ def encode_forward_response(
 def serialize_forward_response(response) -> bytes:
     """Response serializer: prebuilt bytes pass through, messages serialize."""
     return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+class ForwardRequestOut:
+    """A ForwardRequest to send, its tensors kept as tensors until the wire: the
+    serializer copies each once, from the tensor into the request bytes (protobuf
+    would copy to bytes, into its field, then into its serialization)."""
+
+    __slots__ = (
+        "hidden_states",
+        "instance_id",
+        "layer",
+        "request_id",
+        "timeout_us",
+        "topk_ids",
+        "topk_weights",
+        "trace_id",
+    )
+
+    def __init__(self, layer: int, hidden_states, topk_ids, topk_weights) -> None:
+        self.layer = layer
+        self.hidden_states = hidden_states  # CPU tensors, contiguous
+        self.topk_ids = topk_ids
+        self.topk_weights = topk_weights
+        self.request_id = 0
+        self.trace_id = ""
+        self.instance_id = ""
+        self.timeout_us = 0
+
+
+def _tensor_parts(number: int, t) -> list:
+    """Field `number` holding tensor `t` as a Tensor message: header pieces + data."""
+    payload = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+    packed = b"".join(_put_varint(d) for d in t.shape)
+    head = b"\x08" + _put_varint(WIRE_DTYPE[t.dtype])
+    if packed:
+        head += _len_field(2, len(packed)) + packed
+    data_head = _len_field(3, payload.nbytes) if payload.nbytes else b""
+    if not payload.nbytes:
+        payload = b""
+    return [_len_field(number, len(head) + len(data_head) + len(payload)), head, data_head, payload]
+
+
+def _scalar(number: int, value: int) -> bytes:
+    return _put_varint(number << 3) + _put_varint(value) if value else b""
+
+
+def _string(number: int, value: str) -> bytes:
+    raw = value.encode()
+    return _len_field(number, len(raw)) + raw if raw else b""
+
+
+def serialize_forward_request(request) -> bytes:
+    """Request serializer: ForwardRequestOut written here, messages by protobuf."""
+    if not isinstance(request, ForwardRequestOut):
+        return request.SerializeToString()
+    parts = [_scalar(1, request.layer)]
+    for number, t in ((2, request.hidden_states), (3, request.topk_ids), (4, request.topk_weights)):
+        parts += _tensor_parts(number, t)
+    parts += [
+        _scalar(5, request.request_id),
+        _string(6, request.trace_id),
+        _string(7, request.instance_id),
+        _scalar(8, request.timeout_us),
+    ]
+    return b"".join(parts)

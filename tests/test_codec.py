@@ -3,11 +3,19 @@ protobuf writes, and refuses what protobuf refuses."""
 
 from __future__ import annotations
 
+import torch
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertd.codec import encode_forward_response, parse_forward_request, parse_forward_response
+from expertd import wire
+from expertd.codec import (
+    ForwardRequestOut,
+    encode_forward_response,
+    parse_forward_request,
+    parse_forward_response,
+    serialize_forward_request,
+)
 from expertd.v1 import expertd_pb2 as pb
 
 i64 = st.integers(-(2**63), 2**63 - 1)
@@ -136,3 +144,38 @@ def test_response_writer_is_protobufs_bytes(request_id, dtype, shape, payload, t
     got = encode_forward_response(request_id, dtype, tuple(shape), payload, timing)
     assert pb.ForwardResponse.FromString(got) == msg
     assert got == msg.SerializeToString()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 6),
+    st.integers(1, 4),
+    st.integers(0, 2**64 - 1),
+    st.text(max_size=6),
+    st.text(max_size=6),
+    st.integers(0, 2**64 - 1),
+)
+def test_request_writer_is_protobufs_bytes(layer, m, k, request_id, trace, instance, timeout):
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn((m, 16), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(-1, 9, (m, k), generator=gen, dtype=torch.int32)
+    w = torch.rand((m, k), generator=gen)
+    out = ForwardRequestOut(layer, x, ids, w)
+    out.request_id, out.trace_id, out.instance_id, out.timeout_us = (
+        request_id,
+        trace,
+        instance,
+        timeout,
+    )
+    msg = pb.ForwardRequest(
+        layer=layer,
+        hidden_states=wire.encode(x),
+        topk_ids=wire.encode(ids),
+        topk_weights=wire.encode(w),
+        request_id=request_id,
+        trace_id=trace,
+        instance_id=instance,
+        timeout_us=timeout,
+    )
+    assert serialize_forward_request(out) == msg.SerializeToString()
