@@ -19,6 +19,17 @@ from expertd.v1 import expertd_pb2 as pb
 from expertd.wire import WIRE_DTYPE
 
 _TENSORS = {2: "hidden_states", 3: "topk_ids", 4: "topk_weights"}
+# ForwardRequest's fields, as both request classes below name them.
+_REQUEST_FIELDS = (
+    "hidden_states",
+    "instance_id",
+    "layer",
+    "request_id",
+    "timeout_us",
+    "topk_ids",
+    "topk_weights",
+    "trace_id",
+)
 
 
 class TensorView:
@@ -35,16 +46,7 @@ class TensorView:
 class ForwardRequestView:
     """What the server reads of a ForwardRequest, with pb.ForwardRequest's names."""
 
-    __slots__ = (
-        "hidden_states",
-        "instance_id",
-        "layer",
-        "request_id",
-        "timeout_us",
-        "topk_ids",
-        "topk_weights",
-        "trace_id",
-    )
+    __slots__ = _REQUEST_FIELDS
 
     def __init__(self) -> None:
         self.layer = 0
@@ -251,16 +253,7 @@ class ForwardRequestOut:
     serializer copies each once, from the tensor into the request bytes (protobuf
     would copy to bytes, into its field, then into its serialization)."""
 
-    __slots__ = (
-        "hidden_states",
-        "instance_id",
-        "layer",
-        "request_id",
-        "timeout_us",
-        "topk_ids",
-        "topk_weights",
-        "trace_id",
-    )
+    __slots__ = _REQUEST_FIELDS
 
     def __init__(self, layer: int, hidden_states, topk_ids, topk_weights) -> None:
         self.layer = layer
