@@ -220,23 +220,7 @@ def encode_forward_response(
     """A serialized ForwardResponse with `payload` (any buffer: e.g. a memoryview
     of pinned memory) as output.data, copied once, straight into the result.
     Byte for byte what protobuf writes for the same message."""
-    payload = memoryview(payload)
-    payload = payload.cast("B") if payload.nbytes else memoryview(b"")
-    packed = b"".join(_put_varint(d) for d in shape)
-    head = b""
-    if dtype:
-        head += b"\x08" + _put_varint(dtype)
-    if packed:
-        head += _len_field(2, len(packed)) + packed
-    data_head = _len_field(3, payload.nbytes) if payload.nbytes else b""
-    tensor_size = len(head) + len(data_head) + payload.nbytes
-    parts = [
-        (b"\x08" + _put_varint(request_id)) if request_id else b"",
-        _len_field(2, tensor_size),
-        head,
-        data_head,
-        payload,
-    ]
+    parts = [_scalar(1, request_id), *_tensor_parts(2, dtype, shape, payload)]
     if timing is not None:
         t = timing.SerializeToString()
         parts += [_len_field(4, len(t)), t]
@@ -266,17 +250,22 @@ class ForwardRequestOut:
         self.timeout_us = 0
 
 
-def _tensor_parts(number: int, t) -> list:
-    """Field `number` holding tensor `t` as a Tensor message: header pieces + data."""
-    payload = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-    packed = b"".join(_put_varint(d) for d in t.shape)
-    head = b"\x08" + _put_varint(WIRE_DTYPE[t.dtype])
+def _tensor_parts(number: int, dtype: int, shape, payload) -> list:
+    """Field `number` holding a Tensor message: header pieces, then `payload` (any
+    buffer) as its data, left for the final join to copy once."""
+    payload = memoryview(payload)
+    payload = payload.cast("B") if payload.nbytes else b""
+    packed = b"".join(_put_varint(d) for d in shape)
+    head = _scalar(1, dtype)
     if packed:
         head += _len_field(2, len(packed)) + packed
-    data_head = _len_field(3, payload.nbytes) if payload.nbytes else b""
-    if not payload.nbytes:
-        payload = b""
+    data_head = _len_field(3, len(payload)) if len(payload) else b""
     return [_len_field(number, len(head) + len(data_head) + len(payload)), head, data_head, payload]
+
+
+def _host_bytes(t: torch.Tensor):
+    """A contiguous CPU tensor's bytes, viewed (no copy)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def _scalar(number: int, value: int) -> bytes:
@@ -294,7 +283,7 @@ def serialize_forward_request(request) -> bytes:
         return request.SerializeToString()
     parts = [_scalar(1, request.layer)]
     for number, t in ((2, request.hidden_states), (3, request.topk_ids), (4, request.topk_weights)):
-        parts += _tensor_parts(number, t)
+        parts += _tensor_parts(number, WIRE_DTYPE[t.dtype], t.shape, _host_bytes(t))
     parts += [
         _scalar(5, request.request_id),
         _string(6, request.trace_id),

@@ -29,6 +29,14 @@ def _lenient(deserializer):
     return parse
 
 
+HANDLER_MAKERS = {  # (request streams, response streams) -> grpc's handler constructor
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Wrap every handler so an undecodable request aborts with INVALID_ARGUMENT."""
 
@@ -36,12 +44,14 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        method = handler_call_details.method
-        message = f"request is not a valid message for {method}"
-        kw = {
-            "request_deserializer": _lenient(handler.request_deserializer),
-            "response_serializer": handler.response_serializer,
-        }
+        message = f"request is not a valid message for {handler_call_details.method}"
+        kind = (handler.request_streaming, handler.response_streaming)
+        behavior = (
+            handler.stream_stream
+            or handler.stream_unary
+            or handler.unary_stream
+            or handler.unary_unary
+        )
 
         def check(request):
             if isinstance(request, _Undecodable):
@@ -52,47 +62,30 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async for request in requests:
                 yield check(request)
 
-        async def refuse(context, e: MalformedMessage):
+        prepare = checked if handler.request_streaming else check
+
+        async def refuse(context, e: MalformedMessage) -> None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-        if handler.unary_unary:
-            behavior = handler.unary_unary
+        if handler.response_streaming:
 
-            async def unary_unary(request, context):
+            async def wrapped(request, context):
                 try:
-                    return await behavior(check(request), context)
-                except MalformedMessage as e:
-                    await refuse(context, e)
-
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
-        if handler.unary_stream:
-            behavior = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    async for reply in behavior(check(request), context):
+                    async for reply in behavior(prepare(request), context):
                         yield reply
                 except MalformedMessage as e:
                     await refuse(context, e)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
-        if handler.stream_unary:
-            behavior = handler.stream_unary
+        else:
 
-            async def stream_unary(requests, context):
+            async def wrapped(request, context):
                 try:
-                    return await behavior(checked(requests), context)
+                    return await behavior(prepare(request), context)
                 except MalformedMessage as e:
                     await refuse(context, e)
 
-            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
-        behavior = handler.stream_stream
-
-        async def stream_stream(requests, context):
-            try:
-                async for reply in behavior(checked(requests), context):
-                    yield reply
-            except MalformedMessage as e:
-                await refuse(context, e)
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        return HANDLER_MAKERS[kind](
+            wrapped,
+            request_deserializer=_lenient(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 
+from expertd.server.malformed import HANDLER_MAKERS
+
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 REFUSAL = "missing or invalid credentials"
 
@@ -30,23 +32,14 @@ def load_token(token_file: str | None) -> str | None:
 def _refuse_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call."""
 
-    async def unary(request, context):
+    async def refuse(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
-    async def streaming(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(unary, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(streaming, **kw)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    return HANDLER_MAKERS[(handler.request_streaming, handler.response_streaming)](
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
