@@ -31,7 +31,8 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
-BTS = (8, 16, 24, 32, 48, 64)  # the compiled tile sizes (moe_nvfp4.cu)
+BTS = (8, 16, 24, 32, 48, 64, 128)  # the compiled tile sizes (moe_nvfp4.cu)
+WG_BTS = (32, 64, 128)  # those with a v8 (wgmma) configuration
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -228,6 +229,7 @@ def main() -> int:
         if m <= args.path_ab_max:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
             variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
+            variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
         if m <= args.nopf_max:
             variants["v7_nopf"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -281,7 +283,7 @@ def main() -> int:
             if vname == "v6":
                 v6_out = out0
                 path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
-            elif vname == "v7_alt2":  # another k-split: another fp32 sum order
+            elif vname in ("v7_alt2", "v8"):  # another k-split: another fp32 sum order
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             elif v6_out is not None:  # same arithmetic: v7 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
@@ -303,14 +305,22 @@ def main() -> int:
                 path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
                 del g
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
+        # Keys: BT for the default path of that BT, "v7:BT" for the mma.sync GEMM where the default
+        # is v8 (BT 32 and 64).
         bt_us = {}
         if m <= args.bt_sweep_max:
-            for bt in BTS:
-                g = GraphedForward(backend, state, m, TOP_K, bt=bt)
+            for key in [*BTS, *(f"v7:{b}" for b in WG_BTS if b in (32, 64))]:
+                bt = key if isinstance(key, int) else int(key.split(":")[1])
+                if isinstance(key, str):
+                    os.environ["EXPERTD_KERNEL_PATH"] = "7"
+                try:
+                    g = GraphedForward(backend, state, m, TOP_K, bt=bt)
+                finally:
+                    os.environ.pop("EXPERTD_KERNEL_PATH", None)
                 g.x.copy_(sets[0][0])
                 g.topk_ids.copy_(sets[0][1])
                 g.topk_weights.copy_(sets[0][2])
-                bt_us[bt] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
+                bt_us[key] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
                 del g
         row = {
             "M": m,
@@ -379,8 +389,7 @@ def main() -> int:
         "; v6/v7 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v7 us':>8} {'v7 nopf':>8} {'pf2':>8} {'pf8':>8} {'spread':>8}"
-    head += f" {'alt1':>8} {'alt2|3':>8}"
+    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v8 err':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -391,12 +400,8 @@ def main() -> int:
             f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_nopf', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_pf2', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_pf8', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_spread', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_alt1', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7_alt2', r['path_us'].get('v7_alt3', float('nan'))):>8.1f} "
+            f"{r['path_us'].get('v8', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
             f"{r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
@@ -418,12 +423,15 @@ def main() -> int:
         )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
     print("v7 == v6 bit for bit at every M" if not eq else f"MISMATCH v7 vs v6: {eq}")
+    print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
-        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in BTS))
+        keys = list(sweep[0]["bt_us"])
+        print(f"(BT = default path of that BT: v8 at {WG_BTS}; v7:BT = mma.sync)")
+        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in keys))
         for r in sweep:
-            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in BTS))
+            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in keys))
     return 0
 
 

@@ -33,9 +33,10 @@ def backend():
     return CudaBackend("cuda")
 
 
-@pytest.fixture(params=["6", "7"])
+@pytest.fixture(params=["6", "7", "8"])
 def path(request, monkeypatch):
-    """Both GEMM paths (moe_nvfp4.cu: v6 grid, v7 persistent grid + L2 prefetch)."""
+    """Every GEMM path (moe_nvfp4.cu: v6 grid, v7 persistent grid + L2 prefetch, v8 wgmma; a
+    forced path applies to the tile sizes it has, the others take the default)."""
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", request.param)
     return int(request.param)
 
@@ -98,11 +99,13 @@ def test_forward_matches_reference(case, backend, path, m):
     _check(out, ref, f"{preset.name} M={m} v{path}")
 
 
-@pytest.mark.parametrize("bt", [8, 16, 24, 32, 48, 64])
-def test_every_compiled_tile_size(case, backend, monkeypatch, bt):
-    # v7 here (v6's GEMM body is the same gemm_tile; test_v7_bit_identical_to_v6 compares them)
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
-    path = 7
+@pytest.mark.parametrize(
+    "path,bt", [(7, bt) for bt in (8, 16, 24, 32, 48, 64)] + [(8, bt) for bt in (32, 64, 128)]
+)
+def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
+    # v7 for the mma.sync tiles (v6's GEMM body is the same gemm_tile;
+    # test_v7_bit_identical_to_v6 compares them), v8 for the wgmma ones
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", str(path))
     preset, layer, state = case
     m = 97
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=11)
@@ -144,7 +147,8 @@ def test_path_switch(backend, path):
     from expertd.kernels.cuda import kernel_path
 
     assert kernel_path() == path
-    assert kernel_path(8) == path and kernel_path(64) == path
+    assert kernel_path(64) == path
+    assert kernel_path(8) == (6 if path == 8 else path)  # v8 has no BT = 8 configuration
 
 
 def test_default_path_by_tile_size(backend, monkeypatch):
@@ -152,7 +156,7 @@ def test_default_path_by_tile_size(backend, monkeypatch):
 
     monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
     assert kernel_path() == 0  # nothing forced
-    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64)] == [6, 6, 6, 6, 6, 7]
+    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64, 128)] == [6, 6, 6, 8, 6, 8, 8]
 
 
 @pytest.mark.parametrize(

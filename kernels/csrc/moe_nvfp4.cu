@@ -55,6 +55,8 @@
 #include <stdlib.h>
 #include <stdio.h>
 
+#include "wgmma.cuh"
+
 namespace {
 
 constexpr float kRmsEps = 1e-8f;
@@ -92,6 +94,19 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
+
+// v8 (warpgroup MMA, sm_90a wgmma): per GEMM, NWG = warpgroups per block (64 weight rows each,
+// one 16-row m-tile per warp, whole K per warp: no split-K), KG = 64-k groups per stage, ST =
+// stages. The tokens of a tile are wgmma's N (= BT), read from shared memory through a
+// descriptor; the dequantized weights are its A operand, straight from registers.
+//   BT | GEMM1 NWG KG ST | GEMM2 NWG KG ST | smem per block
+//   32 |        2  2  4  |        2  2  4  |  73 KB (3 blocks per SM)
+//   64 |        2  2  4  |        2  2  4  | 105 KB (2 blocks per SM)
+//  128 |        2  2  5  |        2  2  5  | 211 KB (1 block per SM)
+#define EXPERTD_FOR_EACH_WG_CONFIG(X) \
+  X(32, 2, 2, 4, 2, 2, 4)              \
+  X(64, 2, 2, 4, 2, 2, 4)              \
+  X(128, 2, 2, 5, 2, 2, 5)
 
 // Alternatives (v7 only, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
@@ -420,6 +435,87 @@ __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) 
     prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
 }
 
+// Epilogue of one work item, shared by the mma.sync (v6/v7) and wgmma (v8) GEMMs. acc[w][n][c]
+// is the accumulator of m-tile (mt0 + wm * WM + w), n-tile n, in the m16n8 fragment layout
+// (c0/c1 row g, c2/c3 row g + 8, columns 2 t4 and 2 t4 + 1), which wgmma's m64nN accumulator
+// repeats per 8 columns. `active`: this warp holds the item's final sums (split-K: k-warp 0).
+// GATED: act[pos, col] = silu(gate) * up (rows g / g + 8 are gate / up of column col).
+// Down: z[pos, row] = acc * gs * (1 + w_norm), and the block's sum of z^2 per position into
+// partial[xb][pos], summed over the NW row warps in a fixed order (deterministic). Every thread
+// of the block must call it (the down projection's barrier).
+template <int BT, int WM, int NW, bool GATED>
+__device__ __forceinline__ void gemm_epilogue(const GemmArgs& a, const float (&acc)[WM][BT / 8][4],
+                                              const int e, const int tile, const int xb,
+                                              const int mt0, const int wm, const bool active,
+                                              float (&red)[NW][BT]) {
+  constexpr int NT = BT / 8;
+  const int tid = threadIdx.x, T = blockDim.x;
+  const int lane = tid & 31, g = lane >> 2;
+  const int t4 = lane & 3;
+  if constexpr (GATED) {
+    if (!active) return;  // no barrier follows
+    const float gs_gate = a.gscale[2 * e] * kScaleShift;
+    const float gs_up = a.gscale[2 * e + 1] * kScaleShift;
+    const int n_out = a.mt * 8;  // I
+#pragma unroll
+    for (int w = 0; w < WM; ++w) {
+      const int col = (mt0 + wm * WM + w) * 8 + g;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
+        const float v0 = silu(acc[w][n][0] * gs_gate) * (acc[w][n][2] * gs_up);
+        const float v1 = silu(acc[w][n][1] * gs_gate) * (acc[w][n][3] * gs_up);
+        a.out[pos * n_out + col] = to_bf16_bits(v0);
+        a.out[(pos + 1) * n_out + col] = to_bf16_bits(v1);
+      }
+    }
+  } else {
+    if (active) {
+      const float gs = a.gscale[e] * kScaleShift;
+      const int n_out = a.mt * 16;  // H
+      float ss[NT][2];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) ss[n][0] = ss[n][1] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WM; ++w) {
+        const int row = (mt0 + wm * WM + w) * 16 + g;
+        const float f_lo = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row]));
+        const float f_hi = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row + 8]));
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
+          const float z0 = acc[w][n][0] * f_lo, z1 = acc[w][n][1] * f_lo;
+          const float z2 = acc[w][n][2] * f_hi, z3 = acc[w][n][3] * f_hi;
+          a.out[pos * n_out + row] = to_bf16_bits(z0);
+          a.out[(pos + 1) * n_out + row] = to_bf16_bits(z1);
+          a.out[pos * n_out + row + 8] = to_bf16_bits(z2);
+          a.out[(pos + 1) * n_out + row + 8] = to_bf16_bits(z3);
+          ss[n][0] += z0 * z0 + z2 * z2;
+          ss[n][1] += z1 * z1 + z3 * z3;
+        }
+      }
+      // Sum over the 8 row groups g (lanes with equal t4), then over warps in a fixed order.
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float v = ss[n][c];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (g == 0) red[wm][n * 8 + 2 * t4 + c] = v;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < BT; i += T) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][i];
+      a.partial[static_cast<long long>(xb) * a.pcap + tile * BT + i] = v;
+    }
+  }
+}
+
 // One block = NW x NK warps: warp (wm, wk) owns m-tiles wm*WM.. and k-groups kg = wk, wk+NK, ...
 // of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
@@ -623,70 +719,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     }
   }
 
-  // ------------------------------------ epilogue ----------------------------------------------
-  const int t4 = lane & 3;
-  if constexpr (GATED) {
-    if (wk != 0) return;  // no barrier follows
-    const float gs_gate = a.gscale[2 * e] * kScaleShift;
-    const float gs_up = a.gscale[2 * e + 1] * kScaleShift;
-    const int n_out = a.mt * 8;  // I
-#pragma unroll
-    for (int w = 0; w < WM; ++w) {
-      const int col = (mt0 + wm * WM + w) * 8 + g;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
-        const float v0 = silu(acc[w][n][0] * gs_gate) * (acc[w][n][2] * gs_up);
-        const float v1 = silu(acc[w][n][1] * gs_gate) * (acc[w][n][3] * gs_up);
-        a.out[pos * n_out + col] = to_bf16_bits(v0);
-        a.out[(pos + 1) * n_out + col] = to_bf16_bits(v1);
-      }
-    }
-  } else {
-    if (wk == 0) {
-      const float gs = a.gscale[e] * kScaleShift;
-      const int n_out = a.mt * 16;  // H
-      float ss[NT][2];
-#pragma unroll
-      for (int n = 0; n < NT; ++n) ss[n][0] = ss[n][1] = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WM; ++w) {
-        const int row = (mt0 + wm * WM + w) * 16 + g;
-        const float f_lo = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row]));
-        const float f_hi = gs * (1.0f + bf16_bits_to_float(a.norm_weight[row + 8]));
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const long long pos = static_cast<long long>(tile) * BT + n * 8 + 2 * t4;
-          const float z0 = acc[w][n][0] * f_lo, z1 = acc[w][n][1] * f_lo;
-          const float z2 = acc[w][n][2] * f_hi, z3 = acc[w][n][3] * f_hi;
-          a.out[pos * n_out + row] = to_bf16_bits(z0);
-          a.out[(pos + 1) * n_out + row] = to_bf16_bits(z1);
-          a.out[pos * n_out + row + 8] = to_bf16_bits(z2);
-          a.out[(pos + 1) * n_out + row + 8] = to_bf16_bits(z3);
-          ss[n][0] += z0 * z0 + z2 * z2;
-          ss[n][1] += z1 * z1 + z3 * z3;
-        }
-      }
-      // Sum over the 8 row groups g (lanes with equal t4), then over warps in a fixed order.
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float v = ss[n][c];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (g == 0) red[wm][n * 8 + 2 * t4 + c] = v;
-        }
-    }
-    __syncthreads();
-    for (int i = tid; i < BT; i += T) {
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) v += red[w][i];
-      a.partial[static_cast<long long>(xb) * a.pcap + tile * BT + i] = v;
-    }
-  }
+  gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
 }
 
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
@@ -753,6 +786,210 @@ __global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, S
     if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
     gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, -1, -1, pf);
   }
+}
+
+// ------------------------------------ v8: warpgroup MMA --------------------------------------
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// An empty volatile asm that "changes" v: orders the code computing v before later volatile asm.
+__device__ __forceinline__ void reg_fence(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+// Descriptor of a K-major bf16 tile in shared memory, 128-byte swizzle: one row (token) per 128
+// bytes (64 k), 16-byte chunk c of row r stored at chunk c ^ (r % 8), 8-row atoms of 1024 bytes
+// (the stride byte offset), atoms 1024-byte aligned. A k-step of 16 inside the 64 starts 32 bytes
+// further (the swizzle is applied to the computed addresses). Leading byte offset: unused for
+// swizzled K-major tiles whose k-step fits in a row (set to 1 as CUTLASS does).
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+template <int BT, int NWG, int KG, int ST>
+struct WgShape {
+  static constexpr int kThreads = NWG * 128;
+  static constexpr int kWarps = NWG * 4;
+  static constexpr int kMTiles = kWarps;  // one 16-row m-tile per warp
+  static constexpr int kBK = 64 * KG;
+  static constexpr int kABytes = BT * KG * 128;  // tokens: [KG][BT rows][128 B], swizzled
+  static constexpr int kWBytes = kMTiles * KG * 512;
+  static constexpr int kSBytes = kMTiles * KG * 128;
+  static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
+  static constexpr int kSmemBytes = kStageBytes * ST + 1024;  // + room to align to 1024
+  static constexpr int kChunksPerRow = KG * 8;
+  static constexpr int kAChunks = BT * kChunksPerRow, kWChunks = kWBytes / 16,
+                       kSChunks = kSBytes / 16;
+  static constexpr int kAPer = (kAChunks + kThreads - 1) / kThreads;
+  static constexpr int kWPer = (kWChunks + kThreads - 1) / kThreads;
+  static constexpr int kSPer = (kSChunks + kThreads - 1) / kThreads;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kFit = 233472 / (kSmemBytes + kWarps * BT * 4 + BT * 4 + 1024);
+  static constexpr int kMinBlocks = kFit < 1 ? 1 : kFit;
+  static_assert(BT % 8 == 0 && BT <= 256, "wgmma N is a multiple of 8, at most 256");
+  static_assert(kStageBytes % 1024 == 0, "stages hold whole 1024-byte swizzle atoms");
+  static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0,
+                "a thread copies one chunk column of rows with one swizzle phase");
+  static_assert(ST >= 2, "one stage computed while the others load");
+};
+
+// One block = NWG warpgroups x (BT tokens of one tile); warp w owns m-tile mt0 + w for all of K.
+// Per stage each warp dequantizes its 4 KG A fragments into registers, then its warpgroup issues
+// 4 KG wgmma m64nBTk16 back to back, commits them and waits for them before the next stage.
+// Keeping one stage's wgmmas in flight while the next stage is dequantized (wait_group 1, A
+// double-buffered) does not pay: ptxas then serializes every wgmma (C7513: it refuses any
+// non-wgmma definition of a wgmma input register while wgmmas are in flight). The overlap of
+// dequantization and tensor work comes from the other warpgroups on the SM instead.
+// Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
+template <int BT, int NWG, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBlocks))
+    moe_gemm_v8_kernel(const GemmArgs a) {
+  using S = WgShape<BT, NWG, KG, ST>;
+  constexpr int T = S::kThreads;
+  constexpr int NT = BT / 8;
+  const int tile = blockIdx.y, xb = blockIdx.x;
+  pdl_wait();
+  if (tile >= *a.num_tiles) return;
+  const int e = a.tile_expert[tile];
+  const int mt0 = xb * S::kMTiles;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
+  const int kt_count = a.k / S::kBK;
+  const int kg_count = a.k / 64;
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ float red[S::kWarps][BT];
+  __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t smem0 = (raw + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem0 - raw);
+
+  const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
+  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 8;
+  const uint4* wsrc[S::kWPer];
+  const uint4* ssrc[S::kSPer];
+#pragma unroll
+  for (int i = 0; i < S::kWPer; ++i) {
+    const int c = tid + i * T;
+    wsrc[i] = codes_e + static_cast<long long>(c / (KG * 32)) * kg_count * 32 + c % (KG * 32);
+  }
+#pragma unroll
+  for (int i = 0; i < S::kSPer; ++i) {
+    const int c = tid + i * T;
+    ssrc[i] = scales_e + static_cast<long long>(c / (KG * 8)) * kg_count * 8 + c % (KG * 8);
+  }
+  for (int i = tid; i < BT; i += T) {
+    const int pos = tile * BT + i;
+    if constexpr (GATED) {
+      const int r = a.sorted_route[pos];
+      row_off[i] = r >= 0 ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
+    } else {
+      row_off[i] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
+    }
+  }
+  __syncthreads();
+  // Token copies: a thread's 16-byte column (k-group a_kg, chunk a_c8) of rows a_row0 + i * pass;
+  // every such row has the same row % 8, so one swizzled destination column.
+  const int a_ch = tid % S::kChunksPerRow, a_row0 = tid / S::kChunksPerRow;
+  const int a_dst0 = (a_ch / 8) * (BT * 128) + a_row0 * 128 + (((a_ch % 8) ^ a_row0) & 7) * 16;
+  int aoff[S::kAPer];
+#pragma unroll
+  for (int i = 0; i < S::kAPer; ++i) {
+    const int row = a_row0 + i * S::kRowsPerPass;
+    aoff[i] = row < BT ? row_off[row] : -1;
+  }
+
+  auto load_stage = [&](int slot, int kt) {
+    const uint32_t base = smem0 + slot * S::kStageBytes;
+#pragma unroll
+    for (int i = 0; i < S::kWPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kWChunks % T == 0 || c < S::kWChunks)
+        cp_async16(base + S::kABytes + c * 16, wsrc[i] + kt * (KG * 32), 16);
+    }
+#pragma unroll
+    for (int i = 0; i < S::kSPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kSChunks % T == 0 || c < S::kSChunks)
+        cp_async16(base + S::kABytes + S::kWBytes + c * 16, ssrc[i] + kt * (KG * 8), 16);
+    }
+#pragma unroll
+    for (int i = 0; i < S::kAPer; ++i) {
+      if (S::kAChunks % T == 0 || a_row0 + i * S::kRowsPerPass < BT) {
+        const int ro = aoff[i];
+        cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128,
+                   a.act_in + (ro >= 0 ? ro : 0) + static_cast<long long>(kt) * S::kBK + a_ch * 8,
+                   ro >= 0 ? 16 : 0);
+      }
+    }
+  };
+
+  float acc[BT / 2];
+#pragma unroll
+  for (int i = 0; i < BT / 2; ++i) acc[i] = 0.0f;
+  uint32_t af[4 * KG][4];
+
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < kt_count) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < kt_count; ++kt) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
+    {
+      const int next = kt + ST - 1;
+      if (next < kt_count) load_stage(next % ST, next);
+      cp_async_commit();
+    }
+    const int slot = kt % ST;
+    const uint32_t base = smem0 + slot * S::kStageBytes;
+    const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
+    const uint8_t* s_s = w_s + S::kWBytes;
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) {
+      const uint4 q = *reinterpret_cast<const uint4*>(w_s + (warp * KG + kg) * 512 + lane * 16);
+      const uint4 sc = *reinterpret_cast<const uint4*>(s_s + (warp * KG + kg) * 128 + g * 16);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      const uint32_t scl[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t s_lo = prmt(scl[ks], 0x1010);  // row g   in both halves
+        const uint32_t s_hi = prmt(scl[ks], 0x3232);  // row g+8 in both halves
+        uint32_t r[4];
+        e2m1x8_to_bf16x8(words[ks], r);
+        af[kg * 4 + ks][0] = bf16x2_mul(r[0], s_lo);
+        af[kg * 4 + ks][1] = bf16x2_mul(r[1], s_hi);
+        af[kg * 4 + ks][2] = bf16x2_mul(r[2], s_lo);
+        af[kg * 4 + ks][3] = bf16x2_mul(r[3], s_hi);
+      }
+    }
+    // Pin the dequantization above the fence: register-only code may otherwise be scheduled
+    // between the wgmmas, which makes ptxas serialize them (C7513).
+#pragma unroll
+    for (int i = 0; i < 4 * KG; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) reg_fence(af[i][j]);
+    wgmma_fence();  // the A registers written above, before the wgmmas read them
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        Wgmma<BT>::mma(acc, af[kg * 4 + ks], smem_desc_sw128(base + kg * (BT * 128) + ks * 32));
+    wgmma_commit();
+    wgmma_wait<0>();  // this stage's slot and the A registers are free again
+  }
+  cp_async_wait<0>();
+  pdl_launch_dependents();
+  gemm_epilogue<BT, 1, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[1][NT][4]>(acc), e,
+                                          tile, xb, mt0, warp, true, red);
 }
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
@@ -828,20 +1065,36 @@ int check_launch(const char* what) {
 
 struct Plan {
   int bt;
+  int path;  // 6, 7 (mma.sync) or 8 (wgmma)
   int t_max;
   int pcap;
   int nparts;  // GEMM2 n-blocks = H / rows per block
   int g1_rows;  // weight rows per GEMM1 block
 };
 
-int g2_rows_for(int bt) {
+// Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
+int g2_rows_for(int bt, int path) {
+  if (path == 8) {
+#define EXPERTD_WG_G2ROWS(BT, G1, K1, S1, G2, K2, S2) \
+  if (bt == BT) return 64 * G2;
+    EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G2ROWS)
+#undef EXPERTD_WG_G2ROWS
+    return 0;
+  }
 #define EXPERTD_G2ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (bt == BT) return 16 * W2 * N2;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_G2ROWS)
 #undef EXPERTD_G2ROWS
   return 0;
 }
-int g1_rows_for(int bt) {
+int g1_rows_for(int bt, int path) {
+  if (path == 8) {
+#define EXPERTD_WG_G1ROWS(BT, G1, K1, S1, G2, K2, S2) \
+  if (bt == BT) return 64 * G1;
+    EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G1ROWS)
+#undef EXPERTD_WG_G1ROWS
+    return 0;
+  }
 #define EXPERTD_G1ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (bt == BT) return 16 * W1 * N1;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_G1ROWS)
@@ -849,14 +1102,40 @@ int g1_rows_for(int bt) {
   return 0;
 }
 
-Plan make_plan(long long m, int top_k, int h, int el, int bt) {
+// GEMM path per call: v6 = grid (n-blocks, t_max); v7 = persistent grid over work items (+ L2
+// prefetch at decode); v8 = wgmma (sm_90a warpgroup MMA), grid as v6. v6 and v7 share their
+// arithmetic (bit-identical outputs); v8 sums K in another order (no split-K). Default by tile
+// size: v8 from BT = kV8MinBt where compiled, else v7 from BT = kV7MinBt (M >= 2048: 1.5-5.5%
+// faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was 15-25% slower
+// at BT 8-32; H200 runs in NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 forces a path wherever the
+// tile size has it (benchmark A/B, tests of each).
+constexpr int kV7MinBt = 64;
+constexpr int kV8MinBt = 32;
+int forced_path() {
+  const char* v = getenv("EXPERTD_KERNEL_PATH");
+  if (!(v && v[0])) return 0;
+  const char c = v[0] == 'v' ? v[1] : v[0];
+  return c == '6' ? 6 : c == '8' ? 8 : 7;
+}
+int kernel_path(int bt) {
+  const int f = forced_path();
+  const bool wg = g1_rows_for(bt, 8) != 0, mma = g1_rows_for(bt, 6) != 0;
+  if (f == 8 && wg) return 8;
+  if ((f == 6 || f == 7) && mma) return f;
+  if (wg && (bt >= kV8MinBt || !mma)) return 8;
+  return bt >= kV7MinBt ? 7 : 6;
+}
+
+Plan make_plan(long long m, int top_k, int h, int el, int bt, int path) {
   Plan p;
+  p.path = path;
   const long long routes = m * top_k;
   p.bt = bt;
   p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
   p.pcap = p.t_max * bt;
-  p.g1_rows = g1_rows_for(bt);
-  p.nparts = h / g2_rows_for(bt);
+  p.g1_rows = g1_rows_for(bt, path);
+  const int g2 = g2_rows_for(bt, path);
+  p.nparts = g2 ? h / g2 : 0;
   return p;
 }
 
@@ -923,21 +1202,6 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
-// GEMM path per call: v6 = grid (n-blocks, t_max); v7 = persistent grid over work items (+ L2
-// prefetch at decode). Same arithmetic: bit-identical outputs. Default by tile size, from the
-// v7 run (H200, 2026-11-29, NOTES.md): v7 from BT = kV7MinBt (M >= 2048: 1.5-5.5% faster, the
-// ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was 15-25% slower at BT 8-32).
-// EXPERTD_KERNEL_PATH=6 / 7 forces one path for every call (benchmark A/B, tests of both).
-constexpr int kV7MinBt = 64;
-int forced_path() {
-  const char* v = getenv("EXPERTD_KERNEL_PATH");
-  if (v && v[0]) return (v[0] == '6' || (v[0] == 'v' && v[1] == '6')) ? 6 : 7;
-  return 0;
-}
-int kernel_path(int bt) {
-  const int f = forced_path();
-  return f ? f : (bt >= kV7MinBt ? 7 : 6);
-}
 // v7: when num_tiles <= this, each GEMM block bulk-prefetches its first item's whole weight slab
 // into L2 as it starts (GEMM1: 160 KB in flight per SM instead of its 5-stage ring's 50 KB;
 // GEMM2: before it waits for GEMM1, so W2 streams in during GEMM1). Default 1: one expert's W13
@@ -1001,14 +1265,14 @@ int persistent_blocks(int occ, long long items) {
 template <int OCC, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2,
           int K2, int S2>
 int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long long routes,
-                 cudaStream_t stream) {
+                 int path, cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  if (OCC >= 10 || kernel_path(BT) == 7) {  // alternatives (OCC >= 10) exist for v7 only
+  if (OCC >= 10 || path == 7) {  // alternatives (OCC >= 10) exist for v7 only
     auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
     auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
     const long long items1 = static_cast<long long>(t_max) * nx1;
@@ -1080,6 +1344,37 @@ int set_smem_attrs() {
   return 0;
 }
 
+template <int BT, int G1, int K1, int S1, int G2, int K2, int S2>
+int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
+                    cudaStream_t stream) {
+  using Sh1 = WgShape<BT, G1, K1, S1>;
+  using Sh2 = WgShape<BT, G2, K2, S2>;
+  if (t_max == 0) return 0;
+  if (h % Sh1::kBK || inter % Sh2::kBK)
+    return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
+  const int mt1 = 2 * inter / 16, mt2 = h / 16;
+  if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
+    return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
+  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  if (int rc = launch("moe_gemm_v8 (gate/up)", moe_gemm_v8_kernel<BT, G1, K1, S1, true>,
+                      dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                      stream, g1))
+    return rc;
+  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, K2, S2, false>,
+                dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+}
+
+template <int BT, int G1, int K1, int S1, int G2, int K2, int S2>
+int set_smem_attrs_v8() {
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  if (cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, K1, S1, true>, attr,
+                           WgShape<BT, G1, K1, S1>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, K2, S2, false>, attr,
+                           WgShape<BT, G2, K2, S2>::kSmemBytes) != cudaSuccess)
+    return check_launch("cudaFuncSetAttribute (v8)");
+  return 0;
+}
+
 }  // namespace
 
 // ------------------------------------ C ABI --------------------------------------------------
@@ -1134,11 +1429,13 @@ int expertd_pick_bt(long long m, int top_k, int num_experts) {
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 24, 32, 48, 64}) {
-    Plan p = make_plan(m, top_k, h, el, bt);
-    Carve c = carve(nullptr, p, m, top_k, h, inter);
-    if (c.bytes > best) best = c.bytes;
-  }
+  for (int bt : {8, 16, 24, 32, 48, 64, 128})
+    for (int path : {6, 8}) {
+      if (!g1_rows_for(bt, path)) continue;
+      Plan p = make_plan(m, top_k, h, el, bt, path);
+      Carve c = carve(nullptr, p, m, top_k, h, inter);
+      if (c.bytes > best) best = c.bytes;
+    }
   return static_cast<long long>(best);
 }
 
@@ -1155,6 +1452,10 @@ int expertd_init(void) {
     return rc;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
 #undef EXPERTD_INIT_ALT
+#define EXPERTD_INIT_WG(BT, G1, K1, S1, G2, K2, S2) \
+  if (int rc = set_smem_attrs_v8<BT, G1, K1, S1, G2, K2, S2>()) return rc;
+  EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
+#undef EXPERTD_INIT_WG
   return 0;
 }
 
@@ -1166,16 +1467,24 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
-  if (g1_rows_for(bt) == 0) return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64)");
+  int path = kernel_path(bt);
+  if (g1_rows_for(bt, path) == 0)
+    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 128)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
-  const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
+  Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
+  // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
+  if (path == 8 && (a.m * a.h >= (1LL << 31) || static_cast<long long>(p.pcap) * a.inter >= (1LL << 31))) {
+    if (!g1_rows_for(bt, 7)) return fail(1, "call too large for this tile size: split it");
+    path = bt >= kV7MinBt ? 7 : 6;
+    p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
+  }
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
   if (static_cast<long long>(c.bytes) > a.workspace_bytes)
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
   RoutePrefetch pf{};
-  if (kernel_path(bt) == 7) {
+  if (path == 7) {
     pf.codes = static_cast<const uint8_t*>(a.w13_codes);
     pf.scales = static_cast<const uint8_t*>(a.w13_scales);
     pf.mt = 2 * a.inter / 16;
@@ -1224,17 +1533,24 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
 
   int rc = 0;
-  int alt = kernel_path(bt) == 7 ? decode_alt() : 0;
+  int alt = path == 7 ? decode_alt() : 0;
 #define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT))) alt = 0;
+  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 7))) alt = 0;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
 #undef EXPERTD_ALT_MATCH
   bool launched = false;
+#define EXPERTD_DISPATCH_WG(BT, G1, K1, S1, G2, K2, S2)                                        \
+  if (path == 8 && bt == BT) {                                                              \
+    launched = true;                                                                        \
+    rc = launch_gemms_v8<BT, G1, K1, S1, G2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, stream); \
+  }
+  EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_DISPATCH_WG)
+#undef EXPERTD_DISPATCH_WG
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
-  if (!alt && bt == BT) {                                                                   \
+  if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
     rc = launch_gemms<BT / 8, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                 \
-        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, stream);                              \
+        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, path, stream);                        \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
@@ -1242,11 +1558,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms<10 + ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                \
-        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, stream);                              \
+        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, path, stream);                        \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
-  if (!launched) return fail(1, "EXPERTD_KERNEL_DECODE_ALT names no compiled alternative");
+  if (!launched) return fail(1, "no compiled GEMM for this tile size and path");
   if (rc) return rc;
 
   return launch("finalize_kernel", finalize_kernel, dim3(static_cast<unsigned>(a.m)), dim3(256),
