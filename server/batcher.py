@@ -2,12 +2,18 @@
 number of frontends) become one forward, so each expert's weights are read once
 for all of them.
 
-One asyncio task owns the queue. It takes the oldest request, optionally waits
-up to `window_s` (counted from that request's arrival) for more of the same
-layer, takes that layer's queued requests in arrival order up to
-`max_batch_tokens`, and runs them on the compute thread; requests for other
-layers keep their place. With `window_s = 0` nothing waits: requests that
-arrived while the device was busy are merged, which costs no latency.
+One asyncio task owns the queue. Once one of the runner's slots is free it
+takes the oldest request, optionally waits up to `window_s` (counted from that
+request's arrival) for more of the same layer, takes that layer's queued
+requests in arrival order up to `max_batch_tokens`, and launches them on the
+compute thread; requests for other layers keep their place. With
+`window_s = 0` nothing waits: requests that arrived while the slots were busy
+are merged, which costs no latency.
+
+On a GPU the runner has two slots: while one batch computes, the next is
+gathered and copied in, and a finisher thread waits for the first one's results
+and writes its responses (server/runner.py). On CPU there is one slot and the
+compute thread does it all, one batch at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,7 +29,7 @@ import torch
 
 from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
-from expertd.server.runner import BatchRunner
+from expertd.server.runner import BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
@@ -62,7 +68,12 @@ class Batcher:
         self._queued_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.computing = 0  # tokens of the batch on the compute thread now
+        self.computing = 0  # tokens of the batches in flight (launched, not yet answered)
+        self._slots = asyncio.Semaphore(runner.depth)  # batches in flight <= runner's slots
+        self._flights: set[asyncio.Task] = set()
+        # Waits for batches on the device and writes their responses, while the compute
+        # thread launches the next batch (only used when the runner overlaps batches).
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-finish")
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -71,6 +82,8 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*self._flights, return_exceptions=True)  # launched: let them end
+        self._finisher.shutdown(wait=True)
         for job in self._queue:
             if not job.future.done():
                 job.future.set_exception(
@@ -129,8 +142,8 @@ class Batcher:
         self.metrics.queued_tokens.set(self._queued_tokens)
         return batch
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _next_batch(self) -> list[Job]:
+        """Wait for requests; -> the next batch's live jobs (expired ones refused)."""
         while True:
             while not self._queue:
                 self._wake.clear()
@@ -151,60 +164,102 @@ class Batcher:
                     )
                     continue
                 live.append(job)
-            if not live:
-                continue
-            self.computing = sum(j.tokens for j in live)
+            if live:
+                return live
+
+    async def _loop(self) -> None:
+        """Take a batch whenever a slot is free (so batches form as late as they can),
+        launch it on the compute thread, and deliver its results when they are in."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._slots.acquire()
             try:
-                results = await loop.run_in_executor(self.compute, self._compute, live)
-            except Exception as e:  # a bug or a device fault: every caller of the batch hears it
-                for job in live:
-                    if not job.future.done():
-                        job.future.set_exception(e)
-                continue
-            finally:
-                self.computing = 0
-            for job, result in zip(live, results, strict=True):
+                live = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            tokens = sum(j.tokens for j in live)
+            self.computing += tokens
+            launched = loop.run_in_executor(self.compute, self._launch, live)
+            task = asyncio.ensure_future(self._deliver(live, tokens, launched))
+            self._flights.add(task)
+            task.add_done_callback(self._flights.discard)
+
+    async def _deliver(self, jobs: list[Job], tokens: int, launched: asyncio.Future) -> None:
+        try:
+            results = await asyncio.wrap_future(await launched)
+        except Exception as e:  # a bug or a device fault: every caller of the batch hears it
+            for job in jobs:
                 if not job.future.done():
-                    if isinstance(result, Exception):
-                        job.future.set_exception(result)
-                    else:
-                        job.future.set_result(result)
+                    job.future.set_exception(e)
+            return
+        finally:
+            self.computing -= tokens
+            self._slots.release()
+        for job, result in zip(jobs, results, strict=True):
+            if not job.future.done():
+                if isinstance(result, Exception):
+                    job.future.set_exception(result)
+                else:
+                    job.future.set_result(result)
 
-    # -- on the compute thread --------------------------------------------------
+    # -- on the compute thread, then the finisher ---------------------------------
 
-    def _compute(self, jobs: list[Job]):
-        """Merged forward, then one response (or error) per job."""
+    def _launch(self, jobs: list[Job]) -> Future:
+        """Start the merged forward; -> a future of one response (or error) per job.
+
+        A batch still on the device is finished on the finisher thread, so the
+        compute thread is free to launch the next one meanwhile; one already done
+        (CPU), or a runner without overlap (depth 1), is finished right here."""
         started = time.perf_counter_ns()
         args = [j.args for j in jobs]
-        out, bad = self.runner.run(
+        flight = self.runner.launch(
             args[0].layer, [a.x for a in args], [a.ids for a in args], [a.weights for a in args]
         )
-        computed = time.perf_counter_ns()
-        stage = self.runner.stage_ns
-        batch_tokens = sum(j.tokens for j in jobs)
-        results, row = [], 0
-        for job in jobs:
-            rows = job.tokens
-            if rows and bool(bad[row : row + rows].any()):
-                results.append(_not_finite(job.args))
-            else:
-                timing = pb.Timing(
-                    queue_us=(started - job.received_ns) // 1000,
-                    compute_us=(computed - started) // 1000,
-                    total_us=(time.perf_counter_ns() - job.received_ns) // 1000,
-                    stage_us=stage // 1000,
-                    device_us=(computed - started - stage) // 1000,
-                    batch_requests=len(jobs),
-                    batch_tokens=batch_tokens,
-                )
-                # The whole serialized response, its output copied once from the
-                # (pinned, reused) output buffer: before the next batch runs.
-                payload = out[row : row + rows].view(torch.uint8).numpy()
-                shape = (rows, out.shape[1])
-                results.append(
-                    encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
-                )
-            row += rows
+        if flight.done or self.runner.depth == 1:
+            done: Future = Future()
+            try:
+                done.set_result(self._finish(jobs, flight, started))
+            except Exception as e:
+                done.set_exception(e)
+            return done
+        try:
+            return self._finisher.submit(self._finish, jobs, flight, started)
+        except BaseException:
+            flight.release()
+            raise
+
+    def _finish(self, jobs: list[Job], flight: Flight, started: int):
+        """Wait for the batch's results, then one serialized response (or error) per
+        job, written straight from the slot's output buffer; frees the slot."""
+        try:
+            result = flight.wait()
+            computed = time.perf_counter_ns()
+            stage = flight.stage_ns
+            batch_tokens = sum(j.tokens for j in jobs)
+            results, row = [], 0
+            for job in jobs:
+                rows = job.tokens
+                if rows and result.bad_rows[row : row + rows].any():
+                    results.append(_not_finite(job.args))
+                else:
+                    timing = pb.Timing(
+                        queue_us=(started - job.received_ns) // 1000,
+                        compute_us=(computed - started) // 1000,
+                        total_us=(time.perf_counter_ns() - job.received_ns) // 1000,
+                        stage_us=stage // 1000,
+                        device_us=(computed - started - stage) // 1000,
+                        batch_requests=len(jobs),
+                        batch_tokens=batch_tokens,
+                    )
+                    payload = result.out_bytes[row : row + rows]  # copied once, into the bytes
+                    shape = (rows, self.runner.hidden)
+                    results.append(
+                        encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
+                    )
+                row += rows
+        finally:
+            flight.release()
         m = self.metrics
         m.batch_tokens.observe(row)
         m.batch_requests.observe(len(jobs))

@@ -1,47 +1,153 @@
-"""Running one merged batch on the backend's device.
+"""Running merged batches on the backend's device.
 
 Several requests' host tensors go in; one bf16 [M, H] output and a per-row
-"input was not finite" flag come out, both on the host. On CUDA the inputs are
-gathered straight into pinned staging buffers (one copy from the received
-bytes), moved with non-blocking copies, and the finite check runs on the device
-and comes back with the output: no extra host pass, no extra sync.
+"input was not finite" flag come out, on the host (`staging.Result`).
+
+A batch runs in one of `depth` slots. `launch` gathers it and starts it,
+`Flight.wait` returns its results, `Flight.release` hands the slot back once
+they have been read; `run` does all three.
+
+On CUDA each slot has a packed pinned host buffer and packed device buffers
+per direction (kernels/graphs.py `Layout`): the requests are gathered into the
+slot's pinned input with numpy (server/staging.py), ONE host-to-device copy on
+the upload stream moves them, the compute stream replays the slot's CUDA graph
+for the batch's bucket (or runs the forward eager), and ONE device-to-host copy
+on the download stream brings back [bad flags | output]. Events order upload
+-> compute -> download within a batch; the backend (and its workspace) only
+ever runs on the compute stream. With depth 2, batch n+1 is gathered and
+copied in while batch n computes, and batch n-1's results come back meanwhile.
+The host waits for nothing but a batch's own download event, before its
+results are read. The NaN/Inf check runs on the device (inside the graph) and
+its flags come back in the same copy as the output.
+
+Other devices (CPU): `launch` gathers (a single request is used as received,
+several with the same packing code), the forward runs in `wait`; one slot by
+default, so batches run one at a time as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
+import numpy as np
 import torch
 
-from expertd.kernels.graphs import DEFAULT_BUCKETS, GraphBank, capturable
+from expertd.kernels.graphs import (
+    DEFAULT_BUCKETS,
+    GraphBank,
+    Layout,
+    capturable,
+    forward_checked,
+    nonfinite_rows,
+)
 from expertd.server.bank import ExpertBank
+from expertd.server.staging import HostStaging, Result, SlotPool
 
 log = logging.getLogger("expertd.server")
 
+CUDA_DEPTH = 2  # batches in flight on a GPU: one computing, the next being copied in
+
+
+class _Slot:
+    """One batch's worth of buffers (and, on CUDA, its events)."""
+
+    def __init__(self, index: int, device: torch.device, in_bytes: int, out_bytes: int) -> None:
+        cuda = device.type == "cuda"
+        self.index = index
+        self.host = HostStaging(pin=cuda, in_bytes=in_bytes, out_bytes=out_bytes)
+        # Device buffers of eager batches (larger than any graph bucket), grown on demand;
+        # graphed batches use the GraphBank's fixed buffers of this slot.
+        self.dev_in: torch.Tensor | None = None
+        self.dev_out: torch.Tensor | None = None
+        self.uploaded = torch.cuda.Event() if cuda else None
+        self.computed = torch.cuda.Event() if cuda else None
+        self.downloaded = torch.cuda.Event() if cuda else None
+
+    def eager_buffers(self, layout: Layout, device: torch.device):
+        """Device buffers for an eager batch. Only grown while the slot is free, so
+        no queued work still uses the old ones."""
+        if self.dev_in is None or self.dev_in.numel() < layout.in_bytes:
+            self.dev_in = torch.empty(layout.in_bytes, dtype=torch.uint8, device=device)
+        if self.dev_out is None or self.dev_out.numel() < layout.out_bytes:
+            self.dev_out = torch.empty(layout.out_bytes, dtype=torch.uint8, device=device)
+        return self.dev_in, self.dev_out
+
+
+class Flight:
+    """A launched batch: `wait()` for its results, then `release()` its slot once
+    they have been read (its result arrays may be views of the slot's buffers)."""
+
+    __slots__ = ("_host", "_result", "_runner", "_slot", "layout", "m", "stage_ns")
+
+    def __init__(self, runner, slot: _Slot, layout: Layout | None, m: int, stage_ns: int) -> None:
+        self._runner = runner
+        self._slot: _Slot | None = slot
+        self.layout = layout  # on CUDA: the layout of the slot's buffers this batch uses
+        self.m = m
+        self.stage_ns = stage_ns  # host time spent gathering the requests
+        self._result: Result | None = None
+        self._host: tuple | None = None  # off the GPU: (state, x, ids, w) for `wait` to run
+
+    @property
+    def done(self) -> bool:
+        """The results are on the host already (nothing to wait for or compute)."""
+        return self._result is not None
+
+    def wait(self) -> Result:
+        """The results: on CUDA after waiting for the batch's download event only;
+        off the GPU the forward runs here."""
+        if self._result is None:
+            if self._slot is None:
+                raise RuntimeError("batch released before its results were read")
+            self._result = self._runner._collect(self)
+        return self._result
+
+    def release(self) -> None:
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            self._host = None
+            self._runner._slots.release(slot.index)
+
 
 class BatchRunner:
-    def __init__(self, bank: ExpertBank, graph_max_tokens: int = DEFAULT_BUCKETS[-1]) -> None:
+    def __init__(
+        self,
+        bank: ExpertBank,
+        graph_max_tokens: int = DEFAULT_BUCKETS[-1],
+        depth: int | None = None,
+    ) -> None:
         self.bank = bank
         self.device = bank.backend.device
-        self._pinned: dict[str, torch.Tensor] = {}
-        self.stage_ns = 0  # of the last run: gathering into host buffers
+        self.hidden = bank.info.hidden_size
+        cuda = self.device.type == "cuda"
+        self.depth = depth if depth is not None else (CUDA_DEPTH if cuda else 1)
+        self._slots = SlotPool(self.depth)
         self.graphs: GraphBank | None = None
         buckets = [b for b in DEFAULT_BUCKETS if b <= graph_max_tokens]
         if buckets and capturable(bank.backend):
             top_k = bank.info.top_k or 8
-            self.graphs = GraphBank(bank.backend, bank.info.hidden_size, top_k, buckets)
+            self.graphs = GraphBank(bank.backend, self.hidden, top_k, buckets, slots=self.depth)
+        in_bytes = out_bytes = 0
+        if self.graphs is not None:  # pinned once, up front, for every bucket
+            in_bytes = max(lay.in_bytes for lay in self.graphs.layouts.values())
+            out_bytes = max(lay.out_bytes for lay in self.graphs.layouts.values())
+        self._slot_bufs = [_Slot(i, self.device, in_bytes, out_bytes) for i in range(self.depth)]
+        if cuda:
+            self._upload = torch.cuda.Stream(self.device)
+            self._compute = torch.cuda.Stream(self.device)
+            self._download = torch.cuda.Stream(self.device)
 
     def warmup(self) -> None:
         """Before SERVING: capture the CUDA graphs (which also builds and loads the
         kernels), or run one tiny forward per layer on other backends."""
         start = time.perf_counter()
-        h = self.bank.info.hidden_size
         for layer in self.bank.info.layers:
             if self.graphs is not None:
                 self.graphs.capture(layer, self.bank.state(layer))
             else:
-                x = torch.zeros((1, h), dtype=torch.bfloat16)
+                x = torch.zeros((1, self.hidden), dtype=torch.bfloat16)
                 self.run(
                     layer, [x], [torch.full((1, 1), -1, dtype=torch.int32)], [torch.zeros((1, 1))]
                 )
@@ -50,83 +156,107 @@ class BatchRunner:
         log.info(
             "warm-up done in %.1f s%s",
             time.perf_counter() - start,
-            f" ({len(self.bank.info.layers)} layers x buckets {self.graphs.buckets} captured)"
+            f" ({len(self.bank.info.layers)} layers x buckets {self.graphs.buckets} x "
+            f"{self.depth} slots captured)"
             if self.graphs
             else "",
         )
 
-    def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host buffer of at least `shape`, grown on demand and reused."""
-        need = shape[0] * shape[1]
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() < need or buf.dtype != dtype:
-            buf = torch.empty(max(need, 1), dtype=dtype, pin_memory=True)
-            self._pinned[name] = buf
-        return buf[:need].view(shape)
-
-    def _gather(self, xs, ids, ws, pinned: bool):
-        """Concatenate the requests' rows; routes padded to the widest top_k (-1, weight 0)."""
-        m = sum(x.shape[0] for x in xs)
-        k = max(i.shape[1] for i in ids)
-        h = xs[0].shape[1]
-        if len(xs) == 1 and not pinned:
-            return xs[0], ids[0].to(torch.int32), ws[0].to(torch.float32)
-        if pinned:
-            x = self._buffer("x", (m, h), torch.bfloat16)
-            rid = self._buffer("ids", (m, k), torch.int32)
-            rw = self._buffer("w", (m, k), torch.float32)
-        else:
-            x = torch.empty((m, h), dtype=torch.bfloat16)
-            rid = torch.empty((m, k), dtype=torch.int32)
-            rw = torch.empty((m, k), dtype=torch.float32)
-        torch.cat(xs, out=x)
-        rid.fill_(-1)
-        rw.zero_()
-        row = 0
-        for i, w in zip(ids, ws, strict=True):
-            rows, width = i.shape
-            rid[row : row + rows, :width] = i
-            rw[row : row + rows, :width] = w
-            row += rows
-        return x, rid, rw
-
     def run(self, layer: int, xs, ids, ws) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (out bf16 [M, H] on the host, bad bool [M]: row had NaN/Inf input).
+        """launch, wait, release -> (out bf16 [M, H], bad bool [M]: row had NaN/Inf
+        input), on the host. On CUDA they are views of a slot's reused pinned
+        buffer: read them before the next run."""
+        flight = self.launch(layer, xs, ids, ws)
+        try:
+            result = flight.wait()
+        finally:
+            flight.release()
+        return result.out, result.bad
 
-        On CUDA the returned tensors are views of reused pinned buffers: read
-        them before the next run."""
-        state = self.bank.state(layer)
-        backend = self.bank.backend
+    def launch(self, layer: int, xs, ids, ws) -> Flight:
+        """Start one merged batch (requests' host tensors, in order) in a free slot.
+
+        Refuses (RuntimeError) when all `depth` slots hold unreleased batches."""
         start = time.perf_counter_ns()
-        if self.device.type != "cuda":
-            x, i, w = self._gather(xs, ids, ws, pinned=False)
-            self.stage_ns = time.perf_counter_ns() - start
-            bad = ~(torch.isfinite(x).all(dim=1) & torch.isfinite(w).all(dim=1))
-            if x.shape[0] == 0:
-                return torch.zeros((0, self.bank.info.hidden_size), dtype=torch.bfloat16), bad
-            return backend.forward(state, x, i, w), bad
-        x, i, w = self._gather(xs, ids, ws, pinned=True)
-        self.stage_ns = time.perf_counter_ns() - start  # the rest is device work and its wait
-        m, h = x.shape[0], self.bank.info.hidden_size
-        out_host = self._buffer("out", (m, h), torch.bfloat16)
-        bad_host = self._buffer("bad", (m, 1), torch.bool).view(m)
-        if m == 0:
-            return out_host, bad_host
-        k = i.shape[1]
-        staged = self.graphs.stage(layer, m, k) if self.graphs is not None else None
-        if staged is not None:  # copy straight into the graph's static inputs, replay
-            dx, di, dw = staged
-            dx.copy_(x, non_blocking=True)
-            di.copy_(i, non_blocking=True)
-            dw.copy_(w, non_blocking=True)
-            out, bad = self.graphs.replay(layer, m, k)
+        state = self.bank.state(layer)
+        slot = self._slot_bufs[self._slots.acquire()]
+        queued = False
+        try:
+            m = sum(x.shape[0] for x in xs)
+            k = max(i.shape[1] for i in ids)
+            if self.device.type != "cuda":
+                return self._run_on_host(slot, state, xs, ids, ws, m, k, start)
+            bucket = self.graphs.bucket(layer, m, k) if self.graphs is not None else None
+            layout = (
+                self.graphs.layouts[bucket] if bucket is not None else Layout(m, k, self.hidden)
+            )
+            slot.host.pack(layout, xs, ids, ws)
+            flight = Flight(self, slot, layout, m, time.perf_counter_ns() - start)
+            if m == 0:
+                flight._result = Result(
+                    np.zeros((0, 2 * self.hidden), np.uint8), np.zeros(0, np.bool_)
+                )
+            else:
+                queued = True
+                self._enqueue(slot, layer, state, layout, bucket, m)
+            return flight
+        except BaseException:
+            if queued:  # part of this batch may be queued on the streams: let it end first
+                with contextlib.suppress(RuntimeError):  # a device fault is raised already
+                    torch.cuda.synchronize(self.device)
+            self._slots.release(slot.index)
+            raise
+
+    def _run_on_host(self, slot: _Slot, state, xs, ids, ws, m: int, k: int, start: int) -> Flight:
+        """Gather (a single request is used as received); the forward runs in `wait`."""
+        if len(xs) == 1:
+            x, i, w = xs[0], ids[0].to(torch.int32), ws[0].to(torch.float32)
         else:
-            dx = x.to(self.device, non_blocking=True)
-            di = i.to(self.device, non_blocking=True)
-            dw = w.to(self.device, non_blocking=True)
-            out = backend.forward(state, dx, di, dw)
-            bad = ~(torch.isfinite(dx).all(dim=1) & torch.isfinite(dw).all(dim=1))
-        out_host.copy_(out, non_blocking=True)
-        bad_host.copy_(bad, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return out_host, bad_host
+            layout = Layout(m, k, self.hidden)
+            slot.host.pack(layout, xs, ids, ws)
+            x, i, w = layout.inputs(slot.host.input)
+        flight = Flight(self, slot, None, m, time.perf_counter_ns() - start)
+        flight._host = (state, x, i, w)
+        return flight
+
+    def _enqueue(
+        self, slot: _Slot, layer: int, state, layout: Layout, bucket: int | None, m: int
+    ) -> None:
+        """Queue one batch: copy in (upload stream), forward (compute stream), copy
+        out (download stream), each stage waiting on the previous one's event."""
+        if bucket is not None:
+            dev_in, dev_out = self.graphs.buffers(slot.index)
+        else:
+            dev_in, dev_out = slot.eager_buffers(layout, self.device)
+        n_in, n_out = layout.in_prefix(m), layout.out_prefix(m)
+        with torch.cuda.stream(self._upload):
+            dev_in[:n_in].copy_(slot.host.input[:n_in], non_blocking=True)
+            slot.uploaded.record()
+        with torch.cuda.stream(self._compute):
+            self._compute.wait_event(slot.uploaded)
+            if bucket is not None:
+                self.graphs.replay(layer, bucket, slot.index)
+            else:
+                x, i, w = layout.inputs(dev_in)
+                out, bad = layout.outputs(dev_out)
+                forward_checked(self.bank.backend, state, x, i, w, out, bad)
+            slot.computed.record()
+        with torch.cuda.stream(self._download):
+            self._download.wait_event(slot.computed)
+            slot.host.output[:n_out].copy_(dev_out[:n_out], non_blocking=True)
+            slot.downloaded.record()
+
+    def _collect(self, flight: Flight) -> Result:
+        """A flight's results: computed now off the GPU; on CUDA, after waiting for its
+        download, viewed in the slot's pinned output."""
+        if flight._host is not None:
+            state, x, i, w = flight._host
+            bad = nonfinite_rows(x, w)
+            if flight.m == 0:
+                out = torch.zeros((0, self.hidden), dtype=torch.bfloat16)
+            else:
+                out = self.bank.backend.forward(state, x, i, w)
+            return Result.of(out, bad)
+        with torch.cuda.device(self.device):
+            flight._slot.downloaded.synchronize()
+        return flight._slot.host.result(flight.layout, flight.m)
