@@ -5,7 +5,9 @@
 
 Reports, for the M sweep: end-to-end `ExpertClient.forward` latency (median),
 the busiest shard's server-side compute time (from the responses' Timing:
-staging + copies + kernels), their ratio (the overhead of routing,
+staging + copies + kernels) split into host staging (gathering the batch into
+the slot's packed pinned buffer) and device (one copy in, the forward, one copy
+out, the wait for them), their ratio to end to end (the overhead of routing,
 serialization, transport and copies), and the bytes moved per second against a
 raw loopback TCP copy measured in the same run. Then unary vs the
 bidirectional stream on one shard, and tokens/s under N concurrent clients with
@@ -34,6 +36,7 @@ from expertd import wire
 from expertd.client import ExpertClient
 from expertd.server.config import shard_experts
 from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.server.runner import CUDA_DEPTH
 from expertd.server.synthetic import get_preset
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
@@ -314,6 +317,12 @@ def main() -> int:
         "preset": preset.name,
         "shards": 8,
         "transport": "TCP loopback (8 shard processes on one host)",
+        # What the shards' serving path was (server/runner.py): compare runs only alike.
+        "server_path": {
+            "copies": "one packed H2D and one packed D2H per batch, on their own streams",
+            "batches_in_flight": CUDA_DEPTH if args.device == "cuda" else 1,
+            "host_staging": "numpy into pinned buffers",
+        },
         "raw_socket_GBps": raw,
         "rows": rows,
         "unary_vs_stream": transport,
@@ -340,6 +349,12 @@ def main() -> int:
             "s--",
             label="busiest shard compute",
         )
+        ax.loglog(
+            [r["M"] for r in rows],
+            [max(r["busiest_stage_us"], 1) for r in rows],
+            "^:",
+            label="of which host staging",
+        )
         ax.set_xlabel("tokens M")
         ax.set_ylabel("us")
         ax.set_title(f"expertd service, {preset.name}, {device_name}")
@@ -352,13 +367,15 @@ def main() -> int:
         f"\nexpertd service: {preset.name}, 8 shards on {device_name}, TCP loopback; raw socket {raw:.2f} GB/s"
     )
     print(
-        f"{'M':>6} | {'e2e us':>9} | {'shard us':>9} | {'(device)':>9} | {'overhead':>8} | "
-        f"{'GB/s':>6} | {'of raw':>6} | {'tok/s':>9}"
+        f"{'M':>6} | {'e2e us':>9} | {'shard us':>9} | {'(stage)':>8} | {'(device)':>9} | "
+        f"{'overhead':>8} | {'GB/s':>6} | {'of raw':>6} | {'tok/s':>9}"
     )
     for r in rows:
         print(
             f"{r['M']:>6} | {r['e2e_us']:>9.0f} | {r['busiest_compute_us']:>9.0f} | "
-            f"{r['busiest_device_us']:>9.0f} | {r['overhead_x']:>7.2f}x | {r['GBps']:>6.2f} | {r['GBps'] / raw:>6.1%} | {r['tokens_per_s']:>9.0f}"
+            f"{r['busiest_stage_us']:>8.0f} | {r['busiest_device_us']:>9.0f} | "
+            f"{r['overhead_x']:>7.2f}x | {r['GBps']:>6.2f} | {r['GBps'] / raw:>6.1%} | "
+            f"{r['tokens_per_s']:>9.0f}"
         )
     for kind, vals in transport.items():
         for v in vals:

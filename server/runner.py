@@ -141,16 +141,16 @@ class BatchRunner:
 
     def warmup(self) -> None:
         """Before SERVING: capture the CUDA graphs (which also builds and loads the
-        kernels), or run one tiny forward per layer on other backends."""
+        kernels), then run one tiny batch per layer and slot through the serving
+        path, so that anything amiss shows before the first request."""
         start = time.perf_counter()
+        x = torch.zeros((1, self.hidden), dtype=torch.bfloat16)
+        no_route, weight = torch.full((1, 1), -1, dtype=torch.int32), torch.zeros((1, 1))
         for layer in self.bank.info.layers:
             if self.graphs is not None:
                 self.graphs.capture(layer, self.bank.state(layer))
-            else:
-                x = torch.zeros((1, self.hidden), dtype=torch.bfloat16)
-                self.run(
-                    layer, [x], [torch.full((1, 1), -1, dtype=torch.int32)], [torch.zeros((1, 1))]
-                )
+            for _ in range(self.depth):  # slots are handed out in turn
+                self.run(layer, [x], [no_route], [weight])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info(
