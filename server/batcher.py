@@ -208,9 +208,10 @@ class Batcher:
     def _launch(self, jobs: list[Job]) -> Future:
         """Start the merged forward; -> a future of one response (or error) per job.
 
-        A batch still on the device is finished on the finisher thread, so the
-        compute thread is free to launch the next one meanwhile; one already done
-        (CPU), or a runner without overlap (depth 1), is finished right here."""
+        With several slots the batch is finished (waited for, answered) on the
+        finisher thread, so the compute thread is free to launch the next one
+        meanwhile; with one slot (the CPU's default), or when nothing is left to
+        wait for (no tokens), it is finished right here, in the same hop."""
         started = time.perf_counter_ns()
         args = [j.args for j in jobs]
         flight = self.runner.launch(
