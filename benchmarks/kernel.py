@@ -31,8 +31,9 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
-BTS = (8, 16, 24, 32, 48, 64, 128)  # the compiled tile sizes (moe_nvfp4.cu)
-WG_BTS = (32, 64, 128)  # those with a v8 (wgmma) configuration
+BTS = (8, 16, 24, 32, 48, 64, 96, 128)  # the compiled tile sizes (moe_nvfp4.cu)
+WG_BTS = (32, 48, 64, 96, 128)  # those with a v8 (wgmma) configuration
+WG_ALTS = {1: 32, 2: 48, 3: 32}  # v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -82,6 +83,15 @@ def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
+
+
+def _best_alt(path_us: dict) -> str:
+    """The fastest v8 alternative timed for a row, as 'us/id', or '-'."""
+    alts = {k: v for k, v in path_us.items() if k.startswith("v8_alt") and "_" not in k[6:]}
+    if not alts:
+        return "-"
+    name = min(alts, key=alts.get)
+    return f"{alts[name]:.0f}/{name[6:]}"
 
 
 def measure_copy_bw() -> float:
@@ -137,6 +147,7 @@ def main() -> int:
     ap.add_argument("--spread-max", type=int, default=8, help="time v7 one-GEMM1-block-per-SM")
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
+    ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -160,7 +171,8 @@ def main() -> int:
     result = {
         "date": date,
         "kind": args.kind,
-        "default_path": kernel_path() or "auto: v7 from BT 64, v6 below",
+        "default_path": kernel_path()
+        or "auto: v8 (wgmma) where BT has it from 32, v7 from 64, v6 below",
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
@@ -249,6 +261,13 @@ def main() -> int:
             variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
         if 256 <= m <= 512:  # BT = 24 calls
             variants["v7_alt3"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "3"}
+        if args.wg_alt and m >= 64:  # v8 alternatives for the BT the call picks (moe_nvfp4.cu)
+            for alt, bt in WG_ALTS.items():
+                if bt == pick_bt(m, TOP_K, E):
+                    variants[f"v8_alt{alt}"] = {
+                        "EXPERTD_KERNEL_PATH": "8",
+                        "EXPERTD_KERNEL_WG_ALT": str(alt),
+                    }
         if m <= args.spread_max:  # W13 prefetched by route_kernel (one SM's copy engine)
             variants["v7_routepf"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -282,8 +301,9 @@ def main() -> int:
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
-                path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
-            elif vname in ("v7_alt2", "v8"):  # another k-split: another fp32 sum order
+                if kernel_path(pick_bt(m, TOP_K, E)) != 8:  # v8 sums in another order
+                    path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
+            elif vname == "v7_alt2" or vname.startswith("v8"):  # another fp32 sum order
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             elif v6_out is not None:  # same arithmetic: v7 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
@@ -305,22 +325,15 @@ def main() -> int:
                 path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
                 del g
         # Every compiled tile size on the first input set (graph replay): data for the BT pick.
-        # Keys: BT for the default path of that BT, "v7:BT" for the mma.sync GEMM where the default
-        # is v8 (BT 32 and 64).
+        # Each BT on its default path (v8 where it has a configuration, WG_BTS).
         bt_us = {}
         if m <= args.bt_sweep_max:
-            for key in [*BTS, *(f"v7:{b}" for b in WG_BTS if b in (32, 64))]:
-                bt = key if isinstance(key, int) else int(key.split(":")[1])
-                if isinstance(key, str):
-                    os.environ["EXPERTD_KERNEL_PATH"] = "7"
-                try:
-                    g = GraphedForward(backend, state, m, TOP_K, bt=bt)
-                finally:
-                    os.environ.pop("EXPERTD_KERNEL_PATH", None)
+            for bt in BTS:
+                g = GraphedForward(backend, state, m, TOP_K, bt=bt)
                 g.x.copy_(sets[0][0])
                 g.topk_ids.copy_(sets[0][1])
                 g.topk_weights.copy_(sets[0][2])
-                bt_us[key] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
+                bt_us[bt] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
                 del g
         row = {
             "M": m,
@@ -389,7 +402,7 @@ def main() -> int:
         "; v6/v7 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v8 err':>8}"
+    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v8 err':>8} {'v8 alt':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -402,6 +415,7 @@ def main() -> int:
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
+            f"{_best_alt(r['path_us']):>8} "
             f"{r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
@@ -428,7 +442,7 @@ def main() -> int:
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
         keys = list(sweep[0]["bt_us"])
-        print(f"(BT = default path of that BT: v8 at {WG_BTS}; v7:BT = mma.sync)")
+        print(f"(each BT on its default path: v8 at {WG_BTS}, v6/v7 below)")
         print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in keys))
         for r in sweep:
             print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in keys))

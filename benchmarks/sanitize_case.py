@@ -21,7 +21,8 @@ def main() -> int:
     state = backend.prepare(layer_gpu)
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
-    for m, bt in ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64)):
+    cases = ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64), (150, 96))
+    for m, bt in (*cases, (260, 128), (700, 0)):  # BT 32 and up: v8 (wgmma); 700: BT 128
         ids = torch.stack([torch.randperm(preset.num_experts, generator=gen)[:8] for _ in range(m)])
         ids = ids.to(torch.int32)
         ids[0, 0] = -1

@@ -100,12 +100,16 @@ def test_forward_matches_reference(case, backend, path, m):
 
 
 @pytest.mark.parametrize(
-    "path,bt", [(7, bt) for bt in (8, 16, 24, 32, 48, 64)] + [(8, bt) for bt in (32, 64, 128)]
+    "path,bt,alt",
+    [(7, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
+    + [(8, bt, 0) for bt in (32, 48, 64, 96, 128)]
+    + [(8, 32, 1), (8, 48, 2), (8, 32, 3)],
 )
-def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
+def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt, alt):
     # v7 for the mma.sync tiles (v6's GEMM body is the same gemm_tile;
-    # test_v7_bit_identical_to_v6 compares them), v8 for the wgmma ones
+    # test_v7_bit_identical_to_v6 compares them), v8 for the wgmma ones and its alternatives
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", str(path))
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_ALT", str(alt))
     preset, layer, state = case
     m = 97
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=11)
@@ -114,7 +118,7 @@ def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
     _check(
         _run(backend, state, x, ids, w, bt=bt),
         _reference((preset.name, "bt"), layer, x, ids, w),
-        f"{preset.name} bt={bt} v{path}",
+        f"{preset.name} bt={bt} v{path} alt={alt}",
     )
 
 
@@ -156,7 +160,7 @@ def test_default_path_by_tile_size(backend, monkeypatch):
 
     monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
     assert kernel_path() == 0  # nothing forced
-    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64, 128)] == [6, 6, 6, 8, 6, 8, 8]
+    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64, 96, 128)] == [6, 6, 6, 8, 8, 8, 8, 8]
 
 
 @pytest.mark.parametrize(

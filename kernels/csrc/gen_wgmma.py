@@ -11,7 +11,7 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = (8, 16, 24, 32, 48, 64, 96, 128)
+WIDTHS = (8, 24, *range(16, 129, 16))
 
 
 def wrapper(n: int) -> str:

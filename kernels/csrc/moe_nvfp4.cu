@@ -95,18 +95,42 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
   X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
 
-// v8 (warpgroup MMA, sm_90a wgmma): per GEMM, NWG = warpgroups per block (64 weight rows each,
-// one 16-row m-tile per warp, whole K per warp: no split-K), KG = 64-k groups per stage, ST =
-// stages. The tokens of a tile are wgmma's N (= BT), read from shared memory through a
-// descriptor; the dequantized weights are its A operand, straight from registers.
-//   BT | GEMM1 NWG KG ST | GEMM2 NWG KG ST | smem per block
-//   32 |        2  2  4  |        2  2  4  |  73 KB (3 blocks per SM)
-//   64 |        2  2  4  |        2  2  4  | 105 KB (2 blocks per SM)
-//  128 |        2  2  5  |        2  2  5  | 211 KB (1 block per SM)
-#define EXPERTD_FOR_EACH_WG_CONFIG(X) \
-  X(32, 2, 2, 4, 2, 2, 4)              \
-  X(64, 2, 2, 4, 2, 2, 4)              \
-  X(128, 2, 2, 5, 2, 2, 5)
+// v8 (warpgroup MMA, sm_90a wgmma): per GEMM, NWG = warpgroups per block, WM = 64-row slabs per
+// warpgroup (each warp holds one 16-row m-tile of each slab: WM wgmmas per k-step, one token
+// tile in shared memory for 64 NWG WM weight rows), KG = 64-k groups per stage, ST = stages, MB =
+// blocks per SM asked of ptxas (__launch_bounds__; registers <= 64K / (MB x threads)). Whole K
+// per warp (no split-K). The tokens of a tile are wgmma's N (= BT, trimmed to the tile's routes
+// rounded up to 16 from BT = 64), read from shared memory through a descriptor; the dequantized
+// weights are its A operand, straight from registers.
+//   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
+//   32 |        2  1  2  4  3  |        2  1  2  4  3  |  73 KB
+//   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
+//   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
+//   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
+//  128 |        2  1  1  4  2  |        2  1  1  4  2  |  85 KB (KG = 2 and 5 stages, 1 block
+//      |                       |                       |   per SM: 1.3-2x slower than BT = 64)
+#define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
+  X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)      \
+  X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
+  X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
+  X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
+  X(128, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)
+
+// v8 alternatives (EXPERTD_KERNEL_WG_ALT=id, calls of their BT only). Benchmark experiments:
+//   id | BT | GEMM1 NWG WM KG ST MB | GEMM2 ... | question
+//    1 | 32 |        2  2  1  6  2  | same      | 256 rows per token tile: half the L2 -> SM
+//      |    |                       |           |   token traffic (at M = 256 the token tiles
+//      |    |                       |           |   moved as many bytes as the weights)
+//    2 | 48 |        2  2  1  5  2  | same      | the same at M ~ 1024
+//    3 | 32 |        4  1  2  4  1  | same      | 256 rows as 4 warpgroups, 1 block per SM
+// Tried (H200, NOTES.md): KG 4 / ST 3 at BT 32, KG 1 / ST 6 at BT 64 (within the spread); the
+// next stage dequantized under the current stage's wgmmas (a second A register set moved in
+// after the wait): 2-6% faster from M = 2048, none below, and one configuration (BT 48, KG 1)
+// gave non-finite outputs on muse-spark; dropped.
+#define EXPERTD_FOR_EACH_WG_ALT(X)         \
+  X(1, 32, 2, 2, 1, 6, 2, 2, 2, 1, 6, 2)    \
+  X(2, 48, 2, 2, 1, 5, 2, 2, 2, 1, 5, 2)    \
+  X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)
 
 // Alternatives (v7 only, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
@@ -813,11 +837,11 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-template <int BT, int NWG, int KG, int ST>
+template <int BT, int NWG, int WM, int KG, int ST, int MB>
 struct WgShape {
   static constexpr int kThreads = NWG * 128;
   static constexpr int kWarps = NWG * 4;
-  static constexpr int kMTiles = kWarps;  // one 16-row m-tile per warp
+  static constexpr int kMTiles = kWarps * WM;  // warp w holds m-tiles w WM .. w WM + WM - 1
   static constexpr int kBK = 64 * KG;
   static constexpr int kABytes = BT * KG * 128;  // tokens: [KG][BT rows][128 B], swizzled
   static constexpr int kWBytes = kMTiles * KG * 512;
@@ -831,41 +855,88 @@ struct WgShape {
   static constexpr int kWPer = (kWChunks + kThreads - 1) / kThreads;
   static constexpr int kSPer = (kSChunks + kThreads - 1) / kThreads;
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static constexpr int kFit = 233472 / (kSmemBytes + kWarps * BT * 4 + BT * 4 + 1024);
-  static constexpr int kMinBlocks = kFit < 1 ? 1 : kFit;
-  static_assert(BT % 8 == 0 && BT <= 256, "wgmma N is a multiple of 8, at most 256");
+  static_assert(BT % 16 == 0 && BT <= 256, "wgmma N: tiles in steps of 16, at most 256");
   static_assert(kStageBytes % 1024 == 0, "stages hold whole 1024-byte swizzle atoms");
   static_assert(kThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0,
                 "a thread copies one chunk column of rows with one swizzle phase");
-  static_assert(ST >= 2, "one stage computed while the others load");
+  static_assert(ST >= 2 && MB >= 1, "one stage computed while the others load");
+  static_assert(BT <= kThreads, "one token row per thread");
 };
 
-// One block = NWG warpgroups x (BT tokens of one tile); warp w owns m-tile mt0 + w for all of K.
-// Per stage each warp dequantizes its 4 KG A fragments into registers, then its warpgroup issues
-// 4 KG wgmma m64nBTk16 back to back, commits them and waits for them before the next stage.
-// Keeping one stage's wgmmas in flight while the next stage is dequantized (wait_group 1, A
-// double-buffered) does not pay: ptxas then serializes every wgmma (C7513: it refuses any
-// non-wgmma definition of a wgmma input register while wgmmas are in flight). The overlap of
-// dequantization and tensor work comes from the other warpgroups on the SM instead.
+// Dequantize one stage's A fragments of this warp (its WM m-tiles, KG k-groups x 4 k-steps) from
+// the stage's shared-memory codes and scales into registers.
+template <int WM, int KG>
+__device__ __forceinline__ void dequant_stage(const uint8_t* w_s, const uint8_t* s_s, int warp,
+                                              int lane, uint32_t (&af)[WM][4 * KG][4]) {
+  const int g = lane >> 2;
+#pragma unroll
+  for (int j = 0; j < WM; ++j)
+#pragma unroll
+    for (int kg = 0; kg < KG; ++kg) {
+      const int m = warp * WM + j;
+      const uint4 q = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
+      const uint4 sc = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      const uint32_t scl[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t s_lo = prmt(scl[ks], 0x1010);  // row g   in both halves
+        const uint32_t s_hi = prmt(scl[ks], 0x3232);  // row g+8 in both halves
+        uint32_t r[4];
+        e2m1x8_to_bf16x8(words[ks], r);
+        af[j][kg * 4 + ks][0] = bf16x2_mul(r[0], s_lo);
+        af[j][kg * 4 + ks][1] = bf16x2_mul(r[1], s_hi);
+        af[j][kg * 4 + ks][2] = bf16x2_mul(r[2], s_lo);
+        af[j][kg * 4 + ks][3] = bf16x2_mul(r[3], s_hi);
+      }
+    }
+}
+
+// The stage's WM x 4 KG wgmma m64nNk16 (N = the tile's rows in use), committed as one group. The
+// A registers are pinned first: register-only code scheduled between the wgmmas makes ptxas
+// serialize them (C7513).
+template <int BT, int WM, int KG, int N>
+__device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
+                                            float (&acc)[WM][BT / 2], uint32_t a_base) {
+#pragma unroll
+  for (int j = 0; j < WM; ++j)
+#pragma unroll
+    for (int i = 0; i < 4 * KG; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) reg_fence(af[j][i][c]);
+  wgmma_fence();  // the A registers written before, ahead of the wgmmas that read them
+#pragma unroll
+  for (int kg = 0; kg < KG; ++kg)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t desc = smem_desc_sw128(a_base + kg * (BT * 128) + ks * 32);
+#pragma unroll
+      for (int j = 0; j < WM; ++j)
+        Wgmma<N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[j]), af[j][kg * 4 + ks], desc);
+    }
+  wgmma_commit();
+}
+
+// One work item (tile x n-block) with wgmma width N <= BT: the tile's first N rows (its valid
+// routes rounded up to 16; the rest is padding whose accumulators stay 0). Warp w owns m-tiles
+// mt0 + w WM + j for all of K. Per stage each warp dequantizes its A fragments into registers,
+// its warpgroup issues the stage's wgmmas back to back, and waits for them before the next stage.
+// Overlap of dequantization and tensor work comes from the other warpgroups on the SM: keeping
+// wgmmas in flight while the next stage is dequantized into the A registers makes ptxas
+// serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
+// are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-template <int BT, int NWG, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBlocks))
-    moe_gemm_v8_kernel(const GemmArgs a) {
-  using S = WgShape<BT, NWG, KG, ST>;
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N>
+__device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
+                                        const int e, const int (&row_off)[BT],
+                                        float (&red)[NWG * 4][BT], uint8_t* smem_raw) {
+  using S = WgShape<BT, NWG, WM, KG, ST, MB>;
   constexpr int T = S::kThreads;
   constexpr int NT = BT / 8;
-  const int tile = blockIdx.y, xb = blockIdx.x;
-  pdl_wait();
-  if (tile >= *a.num_tiles) return;
-  const int e = a.tile_expert[tile];
   const int mt0 = xb * S::kMTiles;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kt_count = a.k / S::kBK;
   const int kg_count = a.k / 64;
-
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ float red[S::kWarps][BT];
-  __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t smem0 = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem0 - raw);
@@ -884,25 +955,15 @@ __global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBloc
     const int c = tid + i * T;
     ssrc[i] = scales_e + static_cast<long long>(c / (KG * 8)) * kg_count * 8 + c % (KG * 8);
   }
-  for (int i = tid; i < BT; i += T) {
-    const int pos = tile * BT + i;
-    if constexpr (GATED) {
-      const int r = a.sorted_route[pos];
-      row_off[i] = r >= 0 ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
-    } else {
-      row_off[i] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
-    }
-  }
-  __syncthreads();
-  // Token copies: a thread's 16-byte column (k-group a_kg, chunk a_c8) of rows a_row0 + i * pass;
-  // every such row has the same row % 8, so one swizzled destination column.
+  // Token copies: a thread's 16-byte column (k-group, chunk) of rows a_row0 + i * pass; every
+  // such row has the same row % 8, so one swizzled destination column. Rows >= N: not copied.
   const int a_ch = tid % S::kChunksPerRow, a_row0 = tid / S::kChunksPerRow;
   const int a_dst0 = (a_ch / 8) * (BT * 128) + a_row0 * 128 + (((a_ch % 8) ^ a_row0) & 7) * 16;
   int aoff[S::kAPer];
 #pragma unroll
   for (int i = 0; i < S::kAPer; ++i) {
     const int row = a_row0 + i * S::kRowsPerPass;
-    aoff[i] = row < BT ? row_off[row] : -1;
+    aoff[i] = row < N ? row_off[row] : -1;
   }
 
   auto load_stage = [&](int slot, int kt) {
@@ -921,7 +982,7 @@ __global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBloc
     }
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
-      if (S::kAChunks % T == 0 || a_row0 + i * S::kRowsPerPass < BT) {
+      if (a_row0 + i * S::kRowsPerPass < N) {
         const int ro = aoff[i];
         cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128,
                    a.act_in + (ro >= 0 ? ro : 0) + static_cast<long long>(kt) * S::kBK + a_ch * 8,
@@ -930,17 +991,18 @@ __global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBloc
     }
   };
 
-  float acc[BT / 2];
+  float acc[WM][BT / 2];
 #pragma unroll
-  for (int i = 0; i < BT / 2; ++i) acc[i] = 0.0f;
-  uint32_t af[4 * KG][4];
+  for (int j = 0; j < WM; ++j)
+#pragma unroll
+    for (int i = 0; i < BT / 2; ++i) acc[j][i] = 0.0f;
+  uint32_t af[WM][4 * KG][4];
 
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < kt_count) load_stage(s, s);
     cp_async_commit();
   }
-
   for (int kt = 0; kt < kt_count; ++kt) {
     cp_async_wait<ST - 2>();
     __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
@@ -950,46 +1012,61 @@ __global__ void __launch_bounds__(NWG * 128, (WgShape<BT, NWG, KG, ST>::kMinBloc
       cp_async_commit();
     }
     const int slot = kt % ST;
-    const uint32_t base = smem0 + slot * S::kStageBytes;
     const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
-    const uint8_t* s_s = w_s + S::kWBytes;
-#pragma unroll
-    for (int kg = 0; kg < KG; ++kg) {
-      const uint4 q = *reinterpret_cast<const uint4*>(w_s + (warp * KG + kg) * 512 + lane * 16);
-      const uint4 sc = *reinterpret_cast<const uint4*>(s_s + (warp * KG + kg) * 128 + g * 16);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-      const uint32_t scl[4] = {sc.x, sc.y, sc.z, sc.w};
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t s_lo = prmt(scl[ks], 0x1010);  // row g   in both halves
-        const uint32_t s_hi = prmt(scl[ks], 0x3232);  // row g+8 in both halves
-        uint32_t r[4];
-        e2m1x8_to_bf16x8(words[ks], r);
-        af[kg * 4 + ks][0] = bf16x2_mul(r[0], s_lo);
-        af[kg * 4 + ks][1] = bf16x2_mul(r[1], s_hi);
-        af[kg * 4 + ks][2] = bf16x2_mul(r[2], s_lo);
-        af[kg * 4 + ks][3] = bf16x2_mul(r[3], s_hi);
-      }
-    }
-    // Pin the dequantization above the fence: register-only code may otherwise be scheduled
-    // between the wgmmas, which makes ptxas serialize them (C7513).
-#pragma unroll
-    for (int i = 0; i < 4 * KG; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) reg_fence(af[i][j]);
-    wgmma_fence();  // the A registers written above, before the wgmmas read them
-#pragma unroll
-    for (int kg = 0; kg < KG; ++kg)
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        Wgmma<BT>::mma(acc, af[kg * 4 + ks], smem_desc_sw128(base + kg * (BT * 128) + ks * 32));
-    wgmma_commit();
+    dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
+    issue_stage<BT, WM, KG, N>(af, acc, smem0 + slot * S::kStageBytes);
     wgmma_wait<0>();  // this stage's slot and the A registers are free again
   }
   cp_async_wait<0>();
   pdl_launch_dependents();
-  gemm_epilogue<BT, 1, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[1][NT][4]>(acc), e,
-                                          tile, xb, mt0, warp, true, red);
+  gemm_epilogue<BT, WM, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[WM][NT][4]>(acc),
+                                           e, tile, xb, mt0, warp, true, red);
+}
+
+// The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, from
+// BT >= 64 (where MMAs on padding cost time: compute-bound calls); BT below that always runs N = BT.
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED,
+          int N = (BT >= 64 ? 16 : BT)>
+__device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, const int xb,
+                                            const int e, const int rows,
+                                            const int (&row_off)[BT], float (&red)[NWG * 4][BT],
+                                            uint8_t* smem_raw) {
+  if constexpr (N >= BT) {
+    v8_tile<BT, NWG, WM, KG, ST, MB, GATED, BT>(a, tile, xb, e, row_off, red, smem_raw);
+  } else {
+    if (rows <= N)
+      v8_tile<BT, NWG, WM, KG, ST, MB, GATED, N>(a, tile, xb, e, row_off, red, smem_raw);
+    else
+      v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, N + 16>(a, tile, xb, e, rows, row_off, red,
+                                                           smem_raw);
+  }
+}
+
+// v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
+// prefix of its positions (route_kernel fills each expert's run in order).
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED>
+__global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
+  const int tile = blockIdx.y;
+  pdl_wait();
+  if (tile >= *a.num_tiles) return;
+  const int e = a.tile_expert[tile];
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ float red[NWG * 4][BT];
+  __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
+  const int tid = threadIdx.x;
+  bool valid = false;
+  if (tid < BT) {
+    const int pos = tile * BT + tid;
+    const int r = a.sorted_route[pos];
+    valid = r >= 0;
+    if constexpr (GATED)
+      row_off[tid] = valid ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
+    else
+      row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
+  }
+  const int rows = __syncthreads_count(valid);
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED>(a, tile, blockIdx.x, e, rows, row_off, red,
+                                              smem_raw);
 }
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
@@ -1072,11 +1149,23 @@ struct Plan {
   int g1_rows;  // weight rows per GEMM1 block
 };
 
-// Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
+// v8 experiment: EXPERTD_KERNEL_WG_ALT=id runs calls of the alternative's BT on it.
+int wg_alt() {
+  const char* v = getenv("EXPERTD_KERNEL_WG_ALT");
+  return (v && v[0]) ? atoi(v) : 0;
+}
+
+// Weight rows per block of GEMM1 / GEMM2 for a tile size and path (GEMM2: the v8 alternative's
+// when one is set for this BT); 0 = not compiled.
 int g2_rows_for(int bt, int path) {
   if (path == 8) {
-#define EXPERTD_WG_G2ROWS(BT, G1, K1, S1, G2, K2, S2) \
-  if (bt == BT) return 64 * G2;
+    const int alt = wg_alt();
+#define EXPERTD_WG_ALT_G2ROWS(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (alt == ID && bt == BT) return 64 * G2 * W2;
+    EXPERTD_FOR_EACH_WG_ALT(EXPERTD_WG_ALT_G2ROWS)
+#undef EXPERTD_WG_ALT_G2ROWS
+#define EXPERTD_WG_G2ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (bt == BT) return 64 * G2 * W2;
     EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G2ROWS)
 #undef EXPERTD_WG_G2ROWS
     return 0;
@@ -1089,8 +1178,8 @@ int g2_rows_for(int bt, int path) {
 }
 int g1_rows_for(int bt, int path) {
   if (path == 8) {
-#define EXPERTD_WG_G1ROWS(BT, G1, K1, S1, G2, K2, S2) \
-  if (bt == BT) return 64 * G1;
+#define EXPERTD_WG_G1ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (bt == BT) return 64 * G1 * W1;
     EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G1ROWS)
 #undef EXPERTD_WG_G1ROWS
     return 0;
@@ -1344,11 +1433,12 @@ int set_smem_attrs() {
   return 0;
 }
 
-template <int BT, int G1, int K1, int S1, int G2, int K2, int S2>
+template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
+          int B2>
 int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
                     cudaStream_t stream) {
-  using Sh1 = WgShape<BT, G1, K1, S1>;
-  using Sh2 = WgShape<BT, G2, K2, S2>;
+  using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
+  using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
@@ -1356,21 +1446,22 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  if (int rc = launch("moe_gemm_v8 (gate/up)", moe_gemm_v8_kernel<BT, G1, K1, S1, true>,
+  if (int rc = launch("moe_gemm_v8 (gate/up)", moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>,
                       dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
                       stream, g1))
     return rc;
-  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, K2, S2, false>,
+  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>,
                 dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
-template <int BT, int G1, int K1, int S1, int G2, int K2, int S2>
+template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
+          int B2>
 int set_smem_attrs_v8() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  if (cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, K1, S1, true>, attr,
-                           WgShape<BT, G1, K1, S1>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, K2, S2, false>, attr,
-                           WgShape<BT, G2, K2, S2>::kSmemBytes) != cudaSuccess)
+  if (cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>, attr,
+                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>, attr,
+                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
 }
@@ -1414,22 +1505,25 @@ const char* expertd_last_error(void) { return g_error; }
 int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
-// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29):
-// BT = 8 wins to lambda = 4 (M = 128), 24 at 8-16 (16 ties at 8), 32 at 32, 64 from 64; 48 was
-// never best. Small tiles cost re-dequantizing an expert for every extra tile, large ones cost
-// MMAs on padding (compute-bound above lambda ~ 32).
+// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
+// v6's BT = 8 wins to lambda = 1 (M = 32); from lambda = 2 the wgmma GEMM (v8) wins at every
+// M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M = 1024), 96 at lambda = 64, 128 from
+// lambda = 128 (v8c run, wgmma width trimmed to each tile's routes: 128 1-5% ahead of 96 from
+// M = 4096). Small tiles cost re-dequantizing an expert for every extra tile, large ones cost
+// MMAs on padding (v8 trims those from BT = 64) and blocks per SM.
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (lambda <= 5) return 8;
-  if (lambda <= 20) return 24;
-  if (lambda <= 45) return 32;
-  return 64;
+  if (lambda <= 1) return 8;
+  if (lambda <= 20) return 32;
+  if (lambda <= 45) return 48;
+  if (lambda <= 100) return 96;
+  return 128;
 }
 
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 24, 32, 48, 64, 128})
+  for (int bt : {8, 16, 24, 32, 48, 64, 96, 128})
     for (int path : {6, 8}) {
       if (!g1_rows_for(bt, path)) continue;
       Plan p = make_plan(m, top_k, h, el, bt, path);
@@ -1452,10 +1546,14 @@ int expertd_init(void) {
     return rc;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
 #undef EXPERTD_INIT_ALT
-#define EXPERTD_INIT_WG(BT, G1, K1, S1, G2, K2, S2) \
-  if (int rc = set_smem_attrs_v8<BT, G1, K1, S1, G2, K2, S2>()) return rc;
+#define EXPERTD_INIT_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
 #undef EXPERTD_INIT_WG
+#define EXPERTD_INIT_WG_ALT(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
+  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_INIT_WG_ALT)
+#undef EXPERTD_INIT_WG_ALT
   return 0;
 }
 
@@ -1469,7 +1567,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
   int path = kernel_path(bt);
   if (g1_rows_for(bt, path) == 0)
-    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 128)");
+    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
@@ -1539,10 +1637,24 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
 #undef EXPERTD_ALT_MATCH
   bool launched = false;
-#define EXPERTD_DISPATCH_WG(BT, G1, K1, S1, G2, K2, S2)                                        \
-  if (path == 8 && bt == BT) {                                                              \
+  int walt = path == 8 ? wg_alt() : 0;
+#define EXPERTD_WG_ALT_MATCH(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
+  if (walt == ID && bt != BT) walt = 0;
+  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_WG_ALT_MATCH)
+#undef EXPERTD_WG_ALT_MATCH
+#define EXPERTD_DISPATCH_WG_ALT(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)              \
+  if (path == 8 && walt == ID && bt == BT) {                                                \
     launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, K1, S1, G2, K2, S2>(g1, g2, p.t_max, a.h, a.inter, stream); \
+    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
+                                                                     a.inter, stream);      \
+  }
+  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_DISPATCH_WG_ALT)
+#undef EXPERTD_DISPATCH_WG_ALT
+#define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
+  if (path == 8 && !walt && bt == BT) {                                                     \
+    launched = true;                                                                        \
+    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
+                                                                     a.inter, stream);      \
   }
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_DISPATCH_WG)
 #undef EXPERTD_DISPATCH_WG
