@@ -37,8 +37,9 @@ if [[ $what == all || $what == *bench* ]]; then
   summary+=("bench: rc=$?")
 fi
 if [[ $what == all || $what == *server* ]]; then
-  # The shard server with the cuda backend behind real gRPC (graphs and eager), vs float64.
-  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py tests/test_cuda_client.py >"$OUT/server-tests.log" 2>&1
+  # The shard server with the cuda backend behind real gRPC (graphs and eager, two batches in
+  # flight on the copy streams), vs float64.
+  timeout ${T_SERVER:-300} python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_server.py tests/test_cuda_client.py tests/test_cuda_overlap.py >"$OUT/server-tests.log" 2>&1
   rc=$?
   grep -E "rel err" "$OUT/server-tests.log"
   tail -3 "$OUT/server-tests.log"
@@ -70,7 +71,7 @@ if [[ $what == *profile* ]]; then
   # counters on Firecracker machines; clocks left alone).
   timeout ${T_PROF:-200} ncu --clock-control none --kernel-name regex:"moe_gemm|route_kernel|finalize" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats --metrics smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_math_pipe_throttle,smsp__average_warp_latency_issue_stalled_short_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_mio_throttle,smsp__average_warp_latency_issue_stalled_lg_throttle,smsp__average_warp_latency_issue_stalled_no_instruction,smsp__average_warp_latency_issue_stalled_not_selected,smsp__average_warp_latency_issue_stalled_selected,smsp__average_warp_latency_issue_stalled_dispatch_stall python3 benchmarks/profile_case.py ${PROFILE_MS:-1 256} \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats --metrics smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_math_pipe_throttle,smsp__average_warp_latency_issue_stalled_short_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_mio_throttle,smsp__average_warp_latency_issue_stalled_lg_throttle,smsp__average_warp_latency_issue_stalled_no_instruction,smsp__average_warp_latency_issue_stalled_not_selected,smsp__average_warp_latency_issue_stalled_selected,smsp__average_warp_latency_issue_stalled_dispatch_stall python3 benchmarks/profile_case.py ${PROFILE_MS:-1 256} \
     >"$OUT/ncu.log" 2>&1
   summary+=("profile: rc=$? (ncu.log)")
   grep -E "moe_gemm|route_kernel|finalize|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Compute \(SM\) Throughput|Issue Slots|No Eligible|Stall" "$OUT/ncu.log" | head -150

@@ -603,6 +603,22 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   __syncthreads();
   const int a_ch = tid % kChunksPerRow;  // this thread's 16-byte column of every row it copies
   const int a_row0 = tid / kChunksPerRow;
+  // The token copies, fixed for the whole K loop: source (stage kt adds kt * BK) and swizzled
+  // destination of each row this thread copies; padding rows (no route) are zero-filled in each
+  // ring slot's first use only, and then stay zero (their slot offsets never change within a
+  // work item; v7's next item zero-fills again in its first ST stages).
+  constexpr int kRowsPerPass = T / kChunksPerRow;
+  const uint16_t* asrc[S::kAPer];
+  uint32_t adst[S::kAPer];
+  bool areal[S::kAPer];
+#pragma unroll
+  for (int i = 0; i < S::kAPer; ++i) {
+    const int row = a_row0 + i * kRowsPerPass;
+    const long long ro = (S::kAChunks % T == 0 || row < BT) ? row_off[row] : -1;
+    areal[i] = ro >= 0;
+    asrc[i] = a.act_in + (ro >= 0 ? ro : 0) + a_ch * 8;
+    adst[i] = (row * kChunksPerRow + ((a_ch & ~7) | ((a_ch ^ row) & 7))) * 16;
+  }
 
   auto load_stage = [&](int slot, int kt) {
     uint8_t* base = smem + slot * S::kStageBytes;
@@ -621,16 +637,10 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
       if (S::kSChunks % T == 0 || c < S::kSChunks)
         cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
     }
-    constexpr int kRowsPerPass = T / kChunksPerRow;
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
-      const int row = a_row0 + i * kRowsPerPass;
-      if (S::kAChunks % T == 0 || row < BT) {
-        const long long ro = row_off[row];
-        const int phys = (a_ch & ~7) | ((a_ch ^ row) & 7);
-        cp_async16(a_s + (row * kChunksPerRow + phys) * 16,
-                   a.act_in + (ro >= 0 ? ro : 0) + kt * S::kBK + a_ch * 8, ro >= 0 ? 16 : 0);
-      }
+      if ((S::kAChunks % T == 0 || a_row0 + i * kRowsPerPass < BT) && (areal[i] || kt < ST))
+        cp_async16(a_s + adst[i], asrc[i] + kt * S::kBK, areal[i] ? 16 : 0);
     }
   };
 
@@ -895,9 +905,12 @@ __device__ __forceinline__ void dequant_stage(const uint8_t* w_s, const uint8_t*
 // The stage's WM x 4 KG wgmma m64nNk16 (N = the tile's rows in use), committed as one group. The
 // A registers are pinned first: register-only code scheduled between the wgmmas makes ptxas
 // serialize them (C7513).
+// desc0: the descriptor of the stage's token tile (k-step 0); a k-step's is desc0 plus its byte
+// offset / 16 (the start-address field, bits 0-13, cannot carry: shared memory < 256 KB), so
+// the descriptors cost one add each, not the full encoding.
 template <int BT, int WM, int KG, int N>
 __device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
-                                            float (&acc)[WM][BT / 2], uint32_t a_base) {
+                                            float (&acc)[WM][BT / 2], uint64_t desc0) {
 #pragma unroll
   for (int j = 0; j < WM; ++j)
 #pragma unroll
@@ -909,7 +922,7 @@ __device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
   for (int kg = 0; kg < KG; ++kg)
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t desc = smem_desc_sw128(a_base + kg * (BT * 128) + ks * 32);
+      const uint64_t desc = desc0 + ((kg * (BT * 128) + ks * 32) >> 4);
 #pragma unroll
       for (int j = 0; j < WM; ++j)
         Wgmma<N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[j]), af[j][kg * 4 + ks], desc);
@@ -956,14 +969,19 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     ssrc[i] = scales_e + static_cast<long long>(c / (KG * 8)) * kg_count * 8 + c % (KG * 8);
   }
   // Token copies: a thread's 16-byte column (k-group, chunk) of rows a_row0 + i * pass; every
-  // such row has the same row % 8, so one swizzled destination column. Rows >= N: not copied.
+  // such row has the same row % 8, so one swizzled destination column. Sources fixed for the
+  // whole K loop (stage kt adds kt * BK). Rows >= N: never copied (the wgmmas read N rows);
+  // padding rows below N are zero-filled in each ring slot's first use only and stay zero.
   const int a_ch = tid % S::kChunksPerRow, a_row0 = tid / S::kChunksPerRow;
   const int a_dst0 = (a_ch / 8) * (BT * 128) + a_row0 * 128 + (((a_ch % 8) ^ a_row0) & 7) * 16;
-  int aoff[S::kAPer];
+  const uint16_t* asrc[S::kAPer];
+  bool areal[S::kAPer];
 #pragma unroll
   for (int i = 0; i < S::kAPer; ++i) {
     const int row = a_row0 + i * S::kRowsPerPass;
-    aoff[i] = row < N ? row_off[row] : -1;
+    const int ro = row < N ? row_off[row] : -1;
+    areal[i] = ro >= 0;
+    asrc[i] = a.act_in + (ro >= 0 ? ro : 0) + a_ch * 8;
   }
 
   auto load_stage = [&](int slot, int kt) {
@@ -982,12 +1000,9 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     }
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
-      if (a_row0 + i * S::kRowsPerPass < N) {
-        const int ro = aoff[i];
-        cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128,
-                   a.act_in + (ro >= 0 ? ro : 0) + static_cast<long long>(kt) * S::kBK + a_ch * 8,
-                   ro >= 0 ? 16 : 0);
-      }
+      if (a_row0 + i * S::kRowsPerPass < N && (areal[i] || kt < ST))
+        cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128, asrc[i] + kt * S::kBK,
+                   areal[i] ? 16 : 0);
     }
   };
 
@@ -997,6 +1012,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 #pragma unroll
     for (int i = 0; i < BT / 2; ++i) acc[j][i] = 0.0f;
   uint32_t af[WM][4 * KG][4];
+  const uint64_t desc_base = smem_desc_sw128(smem0);
 
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
@@ -1014,7 +1030,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     const int slot = kt % ST;
     const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
     dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
-    issue_stage<BT, WM, KG, N>(af, acc, smem0 + slot * S::kStageBytes);
+    issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
     wgmma_wait<0>();  // this stage's slot and the A registers are free again
   }
   cp_async_wait<0>();
@@ -1506,14 +1522,14 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
-// v6's BT = 8 wins to lambda = 1 (M = 32); from lambda = 2 the wgmma GEMM (v8) wins at every
-// M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M = 1024), 96 at lambda = 64, 128 from
+// v6's BT = 8 wins to lambda = 2 (M = 64; v6 with its token copies hoisted); from lambda = 4 the
+// wgmma GEMM (v8) wins at every M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M = 1024), 96 at lambda = 64, 128 from
 // lambda = 128 (v8c run, wgmma width trimmed to each tile's routes: 128 1-5% ahead of 96 from
 // M = 4096). Small tiles cost re-dequantizing an expert for every extra tile, large ones cost
 // MMAs on padding (v8 trims those from BT = 64) and blocks per SM.
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (lambda <= 1) return 8;
+  if (lambda <= 2) return 8;
   if (lambda <= 20) return 32;
   if (lambda <= 45) return 48;
   if (lambda <= 100) return 96;
