@@ -103,7 +103,7 @@ def test_forward_matches_reference(case, backend, path, m):
     "path,bt,alt",
     [(7, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
     + [(8, bt, 0) for bt in (32, 48, 64, 96, 128)]
-    + [(8, 32, 1), (8, 48, 2), (8, 32, 3)],
+    + [(8, 32, 1), (8, 48, 2), (8, 32, 3), (8, 32, 4)],
 )
 def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt, alt):
     # v7 for the mma.sync tiles (v6's GEMM body is the same gemm_tile;

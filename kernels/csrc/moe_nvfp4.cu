@@ -103,14 +103,15 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // rounded up to 16 from BT = 64), read from shared memory through a descriptor; the dequantized
 // weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
-//   32 |        2  1  2  4  3  |        2  1  2  4  3  |  73 KB
+//   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
+//      |                       |                       |   of KG 2 / ST 4 / 3 blocks, alt 4)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
 //   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
 //   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
 //  128 |        2  1  1  4  2  |        2  1  1  4  2  |  85 KB (KG = 2 and 5 stages, 1 block
 //      |                       |                       |   per SM: 1.3-2x slower than BT = 64)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
-  X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)      \
+  X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
@@ -123,6 +124,9 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                       |           |   moved as many bytes as the weights)
 //    2 | 48 |        2  2  1  5  2  | same      | the same at M ~ 1024
 //    3 | 32 |        4  1  2  4  1  | same      | 256 rows as 4 warpgroups, 1 block per SM
+//    4 | 32 |        2  1  2  4  3  | same      | 8 k-steps per stage, 3 blocks per SM (the
+//      |    |                       |           |   default until the H200 run of alt 4 = now
+//      |    |                       |           |   the default: 2-5% slower at M = 128-512)
 // Tried (H200, NOTES.md): KG 4 / ST 3 at BT 32, KG 1 / ST 6 at BT 64 (within the spread); the
 // next stage dequantized under the current stage's wgmmas (a second A register set moved in
 // after the wait): 2-6% faster from M = 2048, none below, and one configuration (BT 48, KG 1)
@@ -130,7 +134,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 #define EXPERTD_FOR_EACH_WG_ALT(X)         \
   X(1, 32, 2, 2, 1, 6, 2, 2, 2, 1, 6, 2)    \
   X(2, 48, 2, 2, 1, 5, 2, 2, 2, 1, 5, 2)    \
-  X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)
+  X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)    \
+  X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)
 
 // Alternatives (v7 only, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
