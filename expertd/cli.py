@@ -81,6 +81,12 @@ def _serve_parser(sub) -> None:
         default=_env("GRAPH_MAX_TOKENS", 1024, int),
         help="CUDA graphs for batches up to this many tokens (0: off)",
     )
+    lim.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=_env("PIPELINE_DEPTH", None, int),
+        help="batches in flight on a GPU (default 2: one computing, the next copying in; 1: none)",
+    )
     sec = p.add_argument_group("security")
     sec.add_argument(
         "--auth-token-file",
@@ -147,6 +153,7 @@ def cmd_serve(args) -> int:
         batch_window_us=args.batch_window_us,
         max_batch_tokens=args.max_batch_tokens,
         graph_max_tokens=args.graph_max_tokens,
+        pipeline_depth=args.pipeline_depth,
         max_batch_requests=args.max_batch_requests,
         auth_token=load_token(args.auth_token_file),
         tls_cert=args.tls_cert,

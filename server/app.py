@@ -179,7 +179,9 @@ def load_and_warm(
     """Load the experts (unless given) and warm up (CUDA graphs captured) before SERVING."""
     if bank is None:
         bank = ExpertBank.load(config, source=source)
-    runner = BatchRunner(bank, graph_max_tokens=config.graph_max_tokens)
+    runner = BatchRunner(
+        bank, graph_max_tokens=config.graph_max_tokens, depth=config.pipeline_depth
+    )
     runner.warmup()
     return bank, runner
 

@@ -36,6 +36,7 @@ class ServerConfig:
     max_batch_tokens: int = 16384
     max_batch_requests: int = 256  # 1 turns batching off
     graph_max_tokens: int = 1024  # CUDA graphs for merged batches up to this many tokens (0: off)
+    pipeline_depth: int | None = None  # batches in flight on a GPU (None: runner's default, 2)
     # Security: bearer token (from a file or EXPERTD_AUTH_TOKEN), TLS from PEM files.
     auth_token: str | None = None
     tls_cert: str | None = None

@@ -123,6 +123,8 @@ class BatchRunner:
         self.hidden = bank.info.hidden_size
         cuda = self.device.type == "cuda"
         self.depth = depth if depth is not None else (CUDA_DEPTH if cuda else 1)
+        if self.depth < 1:
+            raise ValueError(f"pipeline depth must be at least 1 (got {self.depth})")
         self._slots = SlotPool(self.depth)
         self.graphs: GraphBank | None = None
         buckets = [b for b in DEFAULT_BUCKETS if b <= graph_max_tokens]

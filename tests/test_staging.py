@@ -379,3 +379,17 @@ def test_batches_overlapped_in_two_slots_answer_every_request(bank0, full_layers
         out = wire.decode(reply.output, "output")
         ref = reference_forward(full_layers[req.layer], x, ids, w.float())
         assert out.shape == x.shape and relative_error(out, ref) <= 1e-2
+
+
+def test_runner_refuses_a_pipeline_depth_below_one(bank0):
+    with pytest.raises(ValueError, match="pipeline depth must be at least 1"):
+        BatchRunner(bank0, depth=0)
+
+
+def test_serve_takes_the_pipeline_depth_from_its_flag_and_environment(monkeypatch):
+    from expertd.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--synthetic", "small", "--pipeline-depth", "1"])
+    assert args.pipeline_depth == 1
+    monkeypatch.setenv("EXPERTD_PIPELINE_DEPTH", "3")
+    assert build_parser().parse_args(["serve", "--synthetic", "small"]).pipeline_depth == 3
