@@ -253,6 +253,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kind", default="nvidia-h200" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--pipeline-depth", type=int, default=None, help="shards' batches in flight")
     args = ap.parse_args()
     preset = get_preset(args.preset or ("muse-spark" if args.device == "cuda" else "small"))
     ms = [int(m) for m in args.ms.split(",")]
@@ -272,6 +273,8 @@ def main() -> int:
         "--max-tokens",
         str(max(16384, max(ms))),
     ]
+    if args.pipeline_depth is not None:
+        common += ["--pipeline-depth", str(args.pipeline_depth)]
     raw = socket_copy_gbps()
     print(f"raw loopback TCP copy: {raw:.2f} GB/s", flush=True)
     shards = [start_shard([*common, "--shard", str(s), "--num-shards", "8"]) for s in range(8)]
@@ -320,7 +323,8 @@ def main() -> int:
         # What the shards' serving path was (server/runner.py): compare runs only alike.
         "server_path": {
             "copies": "one packed H2D and one packed D2H per batch, on their own streams",
-            "batches_in_flight": CUDA_DEPTH if args.device == "cuda" else 1,
+            "batches_in_flight": args.pipeline_depth
+            or (CUDA_DEPTH if args.device == "cuda" else 1),
             "host_staging": "numpy into pinned buffers",
         },
         "raw_socket_GBps": raw,
