@@ -12,7 +12,9 @@ Environment:
 
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
-    EXPERTD_KERNEL_PATH     6 or 7: force one GEMM path (default: v7 from BT 64, v6 below)
+    EXPERTD_KERNEL_PATH     6, 7 or 8: force one GEMM path where the tile size has it (default:
+                            v8 (wgmma) from BT 32, v7 at BT 64 without v8, v6 below)
+    EXPERTD_KERNEL_WG_ALT   v8 experiment: configuration alternative id (moe_nvfp4.cu; 0)
     EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 before waiting for GEMM1 when
                             num_tiles <= this (1; 0 off)
     EXPERTD_KERNEL_SELF_PREFETCH  v7: each GEMM item prefetches its weight slab into L2 as it
