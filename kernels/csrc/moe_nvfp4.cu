@@ -127,10 +127,11 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //    4 | 32 |        2  1  2  4  3  | same      | 8 k-steps per stage, 3 blocks per SM (the
 //      |    |                       |           |   default until the H200 run of alt 4 = now
 //      |    |                       |           |   the default: 2-5% slower at M = 128-512)
-// Tried (H200, NOTES.md): KG 4 / ST 3 at BT 32, KG 1 / ST 6 at BT 64 (within the spread); the
-// next stage dequantized under the current stage's wgmmas (a second A register set moved in
-// after the wait): 2-6% faster from M = 2048, none below, and one configuration (BT 48, KG 1)
-// gave non-finite outputs on muse-spark; dropped.
+// Tried (H200, NOTES.md): KG 1 / ST 6 at BT 64 (within the spread); the next stage dequantized
+// under the current stage's wgmmas (a second A register set moved in after the wait): 2-6%
+// faster from M = 2048, none below, and one configuration (BT 48, KG 1) gave non-finite outputs
+// on muse-spark; dropped. KG 4 / ST 3 at BT 32 was within the spread before the token copies
+// and descriptors were hoisted, 2-5% ahead after: now the default.
 #define EXPERTD_FOR_EACH_WG_ALT(X)         \
   X(1, 32, 2, 2, 1, 6, 2, 2, 2, 1, 6, 2)    \
   X(2, 48, 2, 2, 1, 5, 2, 2, 2, 1, 5, 2)    \
