@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the device machine: install, build, GPU tests, sanitizers, benchmark.
 # Logs, JSON and PNG land under $OUT; a short table is printed last.
-#   bash benchmarks/device_check.sh [tests|sanitize|bench|server|service|demo|all] [benchmark args...]
+#   bash benchmarks/device_check.sh [tests|sanitize|bench|server|service|latency|demo|profile|all] [benchmark args...]
 # (comma lists work: tests,server,service). Carry .whl (grpcio-health-checking and
 # grpcio-reflection 1.84 wheels, missing on the device image) and .carry (kernel cache).
 # A prebuilt kernel cache carried in .carry/kernels is used when its key matches (same sources,
@@ -60,6 +60,12 @@ if [[ $what == all || $what == *service* ]]; then
   # 8 shard processes on this one GPU + the real client: end to end, transport, batching.
   timeout ${T_SERVICE:-420} python3 benchmarks/service.py --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/service.log" | tail -24
   summary+=("service: rc=$?")
+fi
+if [[ $what == *latency* ]]; then
+  # One shard alone on the GPU, one request at a time: latency and the server's own time per
+  # pipeline depth (batches in flight), the deployment's view without 7 other shards on the GPU.
+  timeout ${T_LATENCY:-300} python3 benchmarks/latency.py --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -9
+  summary+=("latency: rc=$?")
 fi
 if [[ $what == *demo* ]]; then
   # The README's main job on the GPU: 8 shard processes (muse-spark), the client, the reference.
