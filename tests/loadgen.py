@@ -45,6 +45,19 @@ class Case:
         return self.layer, self.x, self.ids, self.w
 
 
+def outcomes(futures) -> list:
+    """Each gRPC call future's reply, or the RpcError it ended with, in order."""
+    import grpc
+
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except grpc.RpcError as e:
+            out.append(e)
+    return out
+
+
 def make_cases(full_layers, n: int, seed: int = 0, layers=(0,), sizes=SIZES) -> list[Case]:
     """n calls with router-like top-k routing over every expert, and their answers."""
     gen = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 import torch
+from loadgen import outcomes
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
@@ -99,30 +100,23 @@ def send_all(address, cases, timeout=300):
     """Every request at once (one channel, concurrent unary calls) -> replies or errors."""
     with grpc.insecure_channel(address, options=OPTIONS) as channel:
         stub = pb_grpc.ExpertServiceStub(channel)
-        futures = [stub.Forward.future(req, timeout=timeout) for req, _ in cases]
-        outcomes = []
-        for f in futures:
-            try:
-                outcomes.append(f.result())
-            except grpc.RpcError as e:
-                outcomes.append(e)
-        return outcomes
+        return outcomes([stub.Forward.future(req, timeout=timeout) for req, _ in cases])
 
 
 def send_one_by_one(address, cases, timeout=300):
     with grpc.insecure_channel(address, options=OPTIONS) as channel:
         stub = pb_grpc.ExpertServiceStub(channel)
-        outcomes = []
+        replies = []
         for req, _ in cases:
             try:
-                outcomes.append(stub.Forward(req, timeout=timeout))
+                replies.append(stub.Forward(req, timeout=timeout))
             except grpc.RpcError as e:
-                outcomes.append(e)
-        return outcomes
+                replies.append(e)
+        return replies
 
 
-def check(name, cases, outcomes, full, sequential=None):
-    for i, ((req, (x, ids, w)), got) in enumerate(zip(cases, outcomes, strict=True)):
+def check(name, cases, replies, full, sequential=None):
+    for i, ((req, (x, ids, w)), got) in enumerate(zip(cases, replies, strict=True)):
         if req.request_id % 13 == 6:  # a NaN request fails alone
             assert isinstance(got, grpc.RpcError), f"request {req.request_id} should fail"
             assert got.code() == grpc.StatusCode.INVALID_ARGUMENT and "is nan" in got.details()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import hidden, shard_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loadgen import outcomes
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
@@ -108,17 +109,11 @@ def test_queue_full_is_resource_exhausted_and_nothing_lost(bank0, full_layers):
         cases = [make_request(1024, s, k=4) for s in range(6)]
         with open_channel(server.address) as ch:
             stub = pb_grpc.ExpertServiceStub(ch)
-            futures = [stub.Forward.future(r, timeout=60) for r, _ in cases]
-            outcomes = []
-            for f in futures:
-                try:
-                    outcomes.append(f.result())
-                except grpc.RpcError as e:
-                    outcomes.append(e)
-        refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+            results = outcomes([stub.Forward.future(r, timeout=60) for r, _ in cases])
+        refused = [o for o in results if isinstance(o, grpc.RpcError)]
         assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
         assert "queue full" in refused[0].details()
-        for (_, (x, ids, w)), o in zip(cases, outcomes, strict=True):  # the accepted ones are right
+        for (_, (x, ids, w)), o in zip(cases, results, strict=True):  # the accepted ones are right
             if not isinstance(o, grpc.RpcError):
                 ref = reference_forward(full_layers[0], x, ids, w)
                 assert relative_error(wire.decode(o.output, "output"), ref) <= 1e-2
