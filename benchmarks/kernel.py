@@ -14,6 +14,7 @@ expert torch matmuls (index by expert with host syncs), eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -92,6 +93,32 @@ def _best_alt(path_us: dict) -> str:
         return "-"
     name = min(alts, key=alts.get)
     return f"{alts[name]:.0f}/{name[6:]}"
+
+
+@contextlib.contextmanager
+def env_set(env: dict[str, str]):
+    """os.environ with `env` applied inside the block, restored after (the kernel library reads
+    its switches per call, so a graph keeps what it was captured with)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def graphed(backend, state, m: int, inputs, bt: int = 0, env=None) -> GraphedForward:
+    """A CUDA graph of the forward for M tokens, captured under `env`, loaded with `inputs`
+    (x, topk_ids, topk_weights)."""
+    with env_set(env or {}):
+        g = GraphedForward(backend, state, m, TOP_K, bt=bt)
+    for dst, src in zip((g.x, g.topk_ids, g.topk_weights), inputs, strict=True):
+        dst.copy_(src)
+    return g
 
 
 def measure_copy_bw() -> float:
@@ -212,27 +239,14 @@ def main() -> int:
             calls,
             reps,
         )
-        graphs = []
-        for x, ids, w in sets:
-            g = GraphedForward(backend, state, m, TOP_K)
-            g.x.copy_(x)
-            g.topk_ids.copy_(ids)
-            g.topk_weights.copy_(w)
-            graphs.append(g)
+        graphs = [graphed(backend, state, m, inputs) for inputs in sets]
         t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
         torch.cuda.synchronize()
         # The same graphs without programmatic dependent launch (A/B of the launch overlap).
         t_nopdl = None
         if m <= args.pdl_ab_max:
-            os.environ["EXPERTD_KERNEL_PDL"] = "0"
-            plain = []
-            for x, ids, w in sets:
-                g = GraphedForward(backend, state, m, TOP_K)
-                g.x.copy_(x)
-                g.topk_ids.copy_(ids)
-                g.topk_weights.copy_(w)
-                plain.append(g)
-            os.environ.pop("EXPERTD_KERNEL_PDL")
+            nopdl = {"EXPERTD_KERNEL_PDL": "0"}
+            plain = [graphed(backend, state, m, inputs, env=nopdl) for inputs in sets]
             t_nopdl = time_calls(lambda s, plain=plain: plain[s].replay(), n_sets, calls, reps)
             del plain
         # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH, EXPERTD_KERNEL_PREFETCH),
@@ -281,22 +295,7 @@ def main() -> int:
         path_us = {}
         v6_out = None
         for vname, env in variants.items():
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                vg = []
-                for x, ids, w in sets:
-                    g = GraphedForward(backend, state, m, TOP_K)
-                    g.x.copy_(x)
-                    g.topk_ids.copy_(ids)
-                    g.topk_weights.copy_(w)
-                    vg.append(g)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            vg = [graphed(backend, state, m, inputs, env=env) for inputs in sets]
             path_us[vname] = time_calls(lambda s, vg=vg: vg[s].replay(), n_sets, calls, reps) * 1e6
             out0 = vg[0].replay().clone()
             if vname == "v6":
@@ -315,14 +314,8 @@ def main() -> int:
         if m <= args.fixed_max:
             foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
             for pname in ("6", "7"):
-                os.environ["EXPERTD_KERNEL_PATH"] = pname
-                try:
-                    g = GraphedForward(backend, state, m, TOP_K)
-                finally:
-                    os.environ.pop("EXPERTD_KERNEL_PATH")
-                g.x.copy_(sets[0][0])
-                g.topk_ids.copy_(foreign)
-                g.topk_weights.copy_(sets[0][2])
+                inputs = (sets[0][0], foreign, sets[0][2])
+                g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": pname})
                 t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
                 path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
                 del g
@@ -331,10 +324,7 @@ def main() -> int:
         bt_us = {}
         if m <= args.bt_sweep_max:
             for bt in BTS:
-                g = GraphedForward(backend, state, m, TOP_K, bt=bt)
-                g.x.copy_(sets[0][0])
-                g.topk_ids.copy_(sets[0][1])
-                g.topk_weights.copy_(sets[0][2])
+                g = graphed(backend, state, m, sets[0], bt=bt)
                 bt_us[bt] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
                 del g
         row = {
