@@ -11,7 +11,7 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = (8, 24, *range(16, 129, 16))
+WIDTHS = tuple(range(16, 129, 16))  # the N of v8_tile: BT, or trimmed in steps of 16
 
 
 def wrapper(n: int) -> str:
