@@ -87,12 +87,16 @@ def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
 
 
 def _best_alt(path_us: dict) -> str:
-    """The fastest v8 alternative timed for a row, as 'us/id', or '-'."""
-    alts = {k: v for k, v in path_us.items() if k.startswith("v8_alt") and "_" not in k[6:]}
+    """The fastest v8 alternative timed for a row, as 'us/v8a<id>', or '-'."""
+    alts = {
+        k: v
+        for k, v in path_us.items()
+        if k[:6] == "v8_alt" and "_" not in k[6:] and isinstance(v, float)
+    }
     if not alts:
         return "-"
     name = min(alts, key=alts.get)
-    return f"{alts[name]:.0f}/{name[6:]}"
+    return f"{alts[name]:.0f}/{name[:2]}a{name[6:]}"
 
 
 @contextlib.contextmanager
@@ -175,6 +179,7 @@ def main() -> int:
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
     ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
+    ap.add_argument("--dec-alt-max", type=int, default=8, help="time the v9 variants")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -199,7 +204,7 @@ def main() -> int:
         "date": date,
         "kind": args.kind,
         "default_path": kernel_path()
-        or "auto: v8 (wgmma) where BT has it from 32, v7 from 64, v6 below",
+        or "auto: v8 (wgmma) from BT 32, v9 (fused decode) at BT 8 up to 64 routes, v6 else",
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
@@ -256,6 +261,11 @@ def main() -> int:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
             variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
+            variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
+        if m <= args.dec_alt_max:  # v9 (fused decode) without the W2 prefetch, fewer blocks
+            variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
+            variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}
+            variants["v9_b264"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "264"}
         if m <= args.nopf_max:
             variants["v7_nopf"] = {
                 "EXPERTD_KERNEL_PATH": "7",
@@ -306,14 +316,14 @@ def main() -> int:
                 pass
             elif vname == "v7_alt2" or vname.startswith("v8"):  # another fp32 sum order
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v7 must reproduce v6 bit for bit
+            else:  # same arithmetic: v7 and v9 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
         # Fixed cost per path: the same call with no route on this shard (every id foreign or
         # -1): route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
         if m <= args.fixed_max:
             foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
-            for pname in ("6", "7"):
+            for pname in ("6", "7", "9"):
                 inputs = (sets[0][0], foreign, sets[0][2])
                 g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": pname})
                 t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
@@ -394,7 +404,7 @@ def main() -> int:
         "; v6/v7 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v8 err':>8} {'v8 alt':>8}"
+    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8} {'best alt':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -406,6 +416,7 @@ def main() -> int:
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
+            f"{r['path_us'].get('v9', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
             f"{_best_alt(r['path_us']):>8} "
             f"{r['graph_GBps']:>6.0f} "
@@ -423,12 +434,13 @@ def main() -> int:
             "no local route (fixed cost), graph us: "
             + ", ".join(
                 f"M={r['M']} v6 {r['path_us']['v6_no_local_route']:.1f} "
-                f"v7 {r['path_us']['v7_no_local_route']:.1f}"
+                f"v7 {r['path_us']['v7_no_local_route']:.1f} "
+                f"v9 {r['path_us']['v9_no_local_route']:.1f}"
                 for r in fixed
             )
         )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
-    print("v7 == v6 bit for bit at every M" if not eq else f"MISMATCH v7 vs v6: {eq}")
+    print("v7, v9 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
     print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:

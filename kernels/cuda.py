@@ -211,7 +211,8 @@ class CudaBackend:
         """Make the workspace large enough for m tokens x top_k (allocates only when growing)."""
         need = self.workspace_bytes(state, m, top_k)
         if self._workspace is None or self._workspace.numel() < need:
-            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+            # zero-filled: the fused decode kernel's grid-barrier counters start (and end) at 0
+            self._workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
         return self._workspace
 
     def forward_into(

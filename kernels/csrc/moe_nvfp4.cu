@@ -546,6 +546,92 @@ __device__ __forceinline__ void gemm_epilogue(const GemmArgs& a, const float (&a
   }
 }
 
+// This lane's ldmatrix.x4 byte offset in a swizzled token tile for k-steps 0, 1 of k-group 0 and
+// n-tile 0: lane l reads row l % 8, chunk l / 8 (matrices 0-3 = k 0-7, 8-15 of k-step 0, then of
+// k-step 1). Rows are multiples of 128 bytes long, so the chunk's bit 2 is the offset's bit 6
+// (flipped for k-steps 2, 3).
+__device__ __forceinline__ uint32_t b_lane_off(const int row_chunks, const int lane) {
+  const int row = lane & 7;
+  return (row * row_chunks + (((lane >> 3) ^ row) & 7)) * 16;
+}
+
+// One k-group (4 k-steps) of one warp, shared by v6/v7 and v9: dequantize the A fragments of
+// its WM m-tiles (codes q, bf16 scales sc: the lane's 16 bytes of each) and multiply them by the
+// NT token n-tiles, read with ldmatrix from a swizzled tile in shared memory at a_s: token row r
+// holds row_chunks 16-byte chunks, chunk kg * 8 + c stored at kg * 8 + (c ^ r % 8). b_off: this
+// lane's offset for k-group 0, n-tile 0 (b_lane_off); n-tile n is 8 rows further.
+template <int WM, int NT>
+__device__ __forceinline__ void kgroup_mma(float (&acc)[WM][NT][4], const uint4 (&q)[WM],
+                                           const uint4 (&sc)[WM], const uint32_t a_s,
+                                           const uint32_t b_off, const int kg,
+                                           const int row_chunks) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    // Dequantize this warp's A fragments for k-steps 2p, 2p+1 (8 registers per m-tile).
+    uint32_t af[WM][2][4];
+#pragma unroll
+    for (int w = 0; w < WM; ++w) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t word = p == 0 ? (h == 0 ? q[w].x : q[w].y) : (h == 0 ? q[w].z : q[w].w);
+        // bf16 scales * 2^119 of rows g (low half) and g+8 (high half) for this k-step
+        const uint32_t s2 = p == 0 ? (h == 0 ? sc[w].x : sc[w].y) : (h == 0 ? sc[w].z : sc[w].w);
+        const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
+        const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
+        uint32_t r[4];
+        e2m1x8_to_bf16x8(word, r);
+        af[w][h][0] = bf16x2_mul(r[0], s_lo);
+        af[w][h][1] = bf16x2_mul(r[1], s_hi);
+        af[w][h][2] = bf16x2_mul(r[2], s_lo);
+        af[w][h][3] = bf16x2_mul(r[3], s_hi);
+      }
+    }
+    // k-steps 2p, 2p + 1 are chunks 4p.. 4p + 3 of the k-group: the swizzle flips bit 2
+    const uint32_t b_p = a_s + (b_off ^ (p * 64)) + kg * 128;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4(b_p + n * 8 * row_chunks * 16, b0, b1, b2, b3);
+#pragma unroll
+      for (int w = 0; w < WM; ++w) {
+        mma_bf16(acc[w][n], af[w][0], b0, b1);
+        mma_bf16(acc[w][n], af[w][1], b2, b3);
+      }
+    }
+  }
+}
+
+// Split-K inside a block: k-warps 1..NK-1 hand their partial sums to k-warp 0 through shared
+// memory (rbuf: (NK - 1) NW WM NT 4 32 floats, free when called); summed in a fixed order, so
+// results do not depend on timing. Every thread of the block calls it (one barrier inside).
+template <int WM, int NT, int NW, int NK>
+__device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rbuf, const int wm,
+                                              const int wk, const int lane) {
+  constexpr int kPerWarp = WM * NT * 4;
+  if (wk > 0) {
+#pragma unroll
+    for (int w = 0; w < WM; ++w)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          rbuf[(((wk - 1) * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane] =
+              acc[w][n][c];
+  }
+  __syncthreads();
+  if (wk == 0) {
+#pragma unroll
+    for (int j = 0; j < NK - 1; ++j)
+#pragma unroll
+      for (int w = 0; w < WM; ++w)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[w][n][c] += rbuf[((j * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane];
+  }
+}
+
 // One block = NW x NK warps: warp (wm, wk) owns m-tiles wm*WM.. and k-groups kg = wk, wk+NK, ...
 // of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
@@ -688,75 +774,16 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
         q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
         sc[w] = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
       }
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        // Dequantize this warp's A fragments for k-steps 2p, 2p+1 (8 registers per m-tile).
-        uint32_t af[WM][2][4];
-#pragma unroll
-        for (int w = 0; w < WM; ++w) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t word = p == 0 ? (h == 0 ? q[w].x : q[w].y) : (h == 0 ? q[w].z : q[w].w);
-            // bf16 scales * 2^119 of rows g (low half) and g+8 (high half) for this k-step
-            const uint32_t s2 =
-                p == 0 ? (h == 0 ? sc[w].x : sc[w].y) : (h == 0 ? sc[w].z : sc[w].w);
-            const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
-            const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
-            uint32_t r[4];
-            e2m1x8_to_bf16x8(word, r);
-            af[w][h][0] = bf16x2_mul(r[0], s_lo);
-            af[w][h][1] = bf16x2_mul(r[1], s_hi);
-            af[w][h][2] = bf16x2_mul(r[2], s_lo);
-            af[w][h][3] = bf16x2_mul(r[3], s_hi);
-          }
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const int row = n * 8 + (lane & 7);
-          const int ch = kg * 8 + p * 4 + (lane >> 3);
-          const int phys = (ch & ~7) | ((ch ^ row) & 7);
-          uint32_t b0, b1, b2, b3;
-          ldmatrix_x4(a_s + (row * kChunksPerRow + phys) * 16, b0, b1, b2, b3);
-#pragma unroll
-          for (int w = 0; w < WM; ++w) {
-            mma_bf16(acc[w][n], af[w][0], b0, b1);
-            mma_bf16(acc[w][n], af[w][1], b2, b3);
-          }
-        }
-      }
+      kgroup_mma<WM, NT>(acc, q, sc, a_s, b_lane_off(kChunksPerRow, lane), kg, kChunksPerRow);
     }
   }
   cp_async_wait<0>();
   if (trigger) pdl_launch_dependents();
 
-  // Split-K: k-warps 1..NK-1 hand their partial sums to k-warp 0 through the (now idle)
-  // pipeline memory; summed in a fixed order, so results do not depend on timing.
+  // Split-K: the NK k-warps' partial sums meet in k-warp 0 (pipeline memory is idle now).
   if constexpr (NK > 1) {
     __syncthreads();
-    float* rbuf = reinterpret_cast<float*>(smem);
-    constexpr int kPerWarp = WM * NT * 4;
-    if (wk > 0) {
-#pragma unroll
-      for (int w = 0; w < WM; ++w)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            rbuf[(((wk - 1) * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane] =
-                acc[w][n][c];
-    }
-    __syncthreads();
-    if (wk == 0) {
-#pragma unroll
-      for (int j = 0; j < NK - 1; ++j)
-#pragma unroll
-        for (int w = 0; w < WM; ++w)
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-              acc[w][n][c] += rbuf[((j * NW + wm) * kPerWarp + (w * NT + n) * 4 + c) * 32 + lane];
-    }
+    splitk_reduce<WM, NT, NW, NK>(acc, reinterpret_cast<float*>(smem), wm, wk, lane);
   }
 
   gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
@@ -1093,22 +1120,20 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
 
-// One block per token; H / 8 16-byte chunks spread over the threads.
-__global__ void finalize_kernel(const int* __restrict__ pos_of_route,
-                                const float* __restrict__ topk_weights, int top_k,
-                                const uint16_t* __restrict__ z, const float* __restrict__ partial,
-                                int nparts, int pcap, int h, uint16_t* __restrict__ out) {
-  extern __shared__ float fsm[];
-  float* coef = fsm;
-  int* pos = reinterpret_cast<int*>(fsm + top_k);
-  const int t = blockIdx.x;
+// Token t's coefficients coef_j = w_j / rms_j and positions (-1: route not owned here) into
+// shared memory, one warp per route: the rms from the GEMM2 partial sums of z^2, summed in a
+// fixed order (lane-strided, then a shuffle tree). Every thread of the block calls it.
+__device__ __forceinline__ void finalize_coefs(const int t, const int* __restrict__ pos_of_route,
+                                               const float* __restrict__ topk_weights,
+                                               const int top_k, const float* __restrict__ partial,
+                                               const int nparts, const int pcap, const int h,
+                                               float* coef, int* pos) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  pdl_wait();
   for (int j = warp; j < top_k; j += nwarps) {
     const int p = pos_of_route[static_cast<long long>(t) * top_k + j];
     float s = 0.0f;
     if (p >= 0)
-      for (int q = lane; q < nparts; q += 32) s += partial[static_cast<long long>(q) * pcap + p];
+      for (int q = lane; q < nparts; q += 32) s += __ldcg(partial + static_cast<long long>(q) * pcap + p);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) {
@@ -1119,28 +1144,177 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
     }
   }
   __syncthreads();
-  for (int c = threadIdx.x; c < h / 8; c += blockDim.x) {
-    float acc[8];
+}
+
+// out[t, 8 c .. 8 c + 7] = sum_j coef_j z[pos_j, ...] in route order (zeros without a route).
+__device__ __forceinline__ void finalize_chunk(const int t, const int c, const int top_k,
+                                               const float* coef, const int* pos,
+                                               const uint16_t* __restrict__ z, const int h,
+                                               uint16_t* __restrict__ out) {
+  float acc[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      const int p = pos[j];
-      if (p < 0) continue;
-      const float cj = coef[j];
-      const uint4 v = *reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    const int p = pos[j];
+    if (p < 0) continue;
+    const float cj = coef[j];
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8));
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
-        acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
-      }
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
+      acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
     }
-    uint4 o;
-    o.x = pack_bf16x2(acc[0], acc[1]);
-    o.y = pack_bf16x2(acc[2], acc[3]);
-    o.z = pack_bf16x2(acc[4], acc[5]);
-    o.w = pack_bf16x2(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+  }
+  uint4 o;
+  o.x = pack_bf16x2(acc[0], acc[1]);
+  o.y = pack_bf16x2(acc[2], acc[3]);
+  o.z = pack_bf16x2(acc[4], acc[5]);
+  o.w = pack_bf16x2(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+}
+
+// One block per token; H / 8 16-byte chunks spread over the threads.
+__global__ void finalize_kernel(const int* __restrict__ pos_of_route,
+                                const float* __restrict__ topk_weights, int top_k,
+                                const uint16_t* __restrict__ z, const float* __restrict__ partial,
+                                int nparts, int pcap, int h, uint16_t* __restrict__ out) {
+  extern __shared__ float fsm[];
+  float* coef = fsm;
+  int* pos = reinterpret_cast<int*>(fsm + top_k);
+  const int t = blockIdx.x;
+  pdl_wait();
+  finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
+  for (int c = threadIdx.x; c < h / 8; c += blockDim.x) finalize_chunk(t, c, top_k, coef, pos, z, h, out);
+}
+
+// ------------------------------------ v9: fused decode ----------------------------------------
+
+// v9: a whole call of at most kDecMaxRoutes routes (M <= 8 at top-8) in one persistent kernel,
+// every block resident (cooperative launch): each block routes the call itself in shared memory
+// (no route kernel, no index round trips through global memory), then GEMM1 work items, a grid
+// barrier, GEMM2 work items, a grid barrier, and the norm + weighted sum. The GEMM items are v6's
+// gemm_tile at BT 8 with v6's split-K and GEMM2 rows, so the outputs equal v6's bit for bit.
+// Calls with at most `prefetch_tiles` tiles bulk-prefetch their W2 slabs into L2 at the start,
+// so W2 streams in under GEMM1 instead of after the first barrier.
+constexpr int kDecMaxRoutes = 64;
+constexpr int kDecBt = 8;
+#define EXPERTD_DEC_SHAPE 8, 1, 2, 4, 4, 6  // BT, WM, NW, NK, KG, ST (both GEMMs)
+using DecShape = GemmShape<EXPERTD_DEC_SHAPE>;
+
+struct DecodeArgs {
+  GemmArgs g1, g2;
+  const int* topk_ids;
+  const float* topk_weights;
+  const int* local_of;
+  uint16_t* out;
+  unsigned* bar;         // [2]: arrivals, departures; zero between calls (the last block resets)
+  int num_experts, el, routes, top_k, m, h;
+  int nx1, nx2, nparts, prefetch_tiles;
+};
+
+// All blocks arrive, then continue once `target` arrivals are counted (monotonic within a call).
+__device__ __forceinline__ void grid_barrier(unsigned* ctr, const unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's writes (ordered before by the barrier) before the arrival
+    atomicAdd(ctr, 1u);
+    unsigned v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ctr) : "memory");
+    } while (v < target);
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(DecShape::kThreads) moe_decode_kernel(const DecodeArgs d) {
+  __shared__ int s_e[kDecMaxRoutes];       // local expert of route r, -1: not owned here
+  __shared__ int s_pos[kDecMaxRoutes];     // its position (tile * 8 + slot), -1
+  __shared__ int s_tiles[kDecMaxRoutes];   // tiles of the expert this route leads, else 0
+  __shared__ int s_tile_e[kDecMaxRoutes];  // expert of each tile
+  __shared__ int s_route[kDecMaxRoutes * kDecBt];  // route at each position, -1: padding
+  __shared__ int s_ntiles;
+  __shared__ float s_coef[kDecMaxRoutes];
+  __shared__ int s_cpos[kDecMaxRoutes];
+  const int tid = threadIdx.x;
+  const unsigned G = gridDim.x;
+  pdl_wait();  // the previous call's kernels are done with the workspace
+
+  // Routing, identical in every block: experts in ascending order, each expert's routes in
+  // route order padded to whole tiles of 8 positions.
+  int e = -1;
+  if (tid < d.routes) e = local_expert(d.topk_ids, d.local_of, tid, d.num_experts, d.el);
+  if (tid < kDecMaxRoutes) s_e[tid] = e;
+  for (int i = tid; i < kDecMaxRoutes * kDecBt; i += blockDim.x) s_route[i] = -1;
+  __syncthreads();
+  int within = 0, cnt = 0;
+  if (tid < kDecMaxRoutes && e >= 0)
+    for (int r = 0; r < kDecMaxRoutes; ++r)
+      if (s_e[r] == e) {
+        ++cnt;
+        within += r < tid;
+      }
+  if (tid < kDecMaxRoutes) s_tiles[tid] = (e >= 0 && within == 0) ? (cnt + kDecBt - 1) / kDecBt : 0;
+  __syncthreads();
+  if (tid < kDecMaxRoutes) {
+    int before = 0, total = 0;
+    for (int r = 0; r < kDecMaxRoutes; ++r) {
+      const int n = s_tiles[r];
+      total += n;
+      if (n && s_e[r] < e) before += n;
+    }
+    int pos = -1;
+    if (e >= 0) {
+      pos = before * kDecBt + within;
+      s_route[pos] = tid;
+      for (int j = 0; j < s_tiles[tid]; ++j) s_tile_e[before + j] = e;
+    }
+    s_pos[tid] = pos;
+    if (tid == 0) s_ntiles = total;
+  }
+  __syncthreads();
+  const int num_tiles = s_ntiles;
+
+  // W2 into L2 under GEMM1 (one thread per block issues its items' slab prefetches).
+  const int items1 = num_tiles * d.nx1, items2 = num_tiles * d.nx2;
+  if (num_tiles <= d.prefetch_tiles)
+    for (int w = blockIdx.x; w < items2; w += G)
+      prefetch_slab<EXPERTD_DEC_SHAPE>(d.g2, s_tile_e[w / d.nx2], w % d.nx2);
+
+  for (int w = blockIdx.x; w < items1; w += G) {
+    const int tile = w / d.nx1;
+    gemm_tile<EXPERTD_DEC_SHAPE, true>(d.g1, tile, w % d.nx1, false, s_tile_e[tile],
+                                       tid < kDecBt ? s_route[tile * kDecBt + tid] : -1);
+    __syncthreads();  // the item's shared memory is free again
+  }
+  grid_barrier(d.bar, G);
+  for (int w = blockIdx.x; w < items2; w += G) {
+    const int tile = w / d.nx2;
+    gemm_tile<EXPERTD_DEC_SHAPE, false>(d.g2, tile, w % d.nx2, false, s_tile_e[tile]);
+    __syncthreads();
+  }
+  grid_barrier(d.bar, 2 * G);
+
+  // Norm + weighted sum: block b takes token b % M and slice b / M of its H / 8 chunks (the host
+  // launches at least M blocks).
+  const int slices = static_cast<int>(G) / d.m;
+  if (static_cast<int>(blockIdx.x) < d.m * slices) {
+    const int t = blockIdx.x % d.m, sl = blockIdx.x / d.m, chunks = d.h / 8;
+    const int c0 = static_cast<int>(static_cast<long long>(chunks) * sl / slices);
+    const int c1 = static_cast<int>(static_cast<long long>(chunks) * (sl + 1) / slices);
+    finalize_coefs(t, s_pos, d.topk_weights, d.top_k, d.g2.partial, d.nparts, d.g2.pcap, d.h,
+                   s_coef, s_cpos);
+    for (int c = c0 + tid; c < c1; c += blockDim.x)
+      finalize_chunk(t, c, d.top_k, s_coef, s_cpos, d.g2.out, d.h, d.out);
+  }
+  // Departure: the last block out resets both counters for the next call.
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned done = atomicAdd(d.bar + 1, 1u);
+    if (done == G - 1) {
+      d.bar[0] = 0;
+      d.bar[1] = 0;
+    }
   }
 }
 
@@ -1177,7 +1351,7 @@ int wg_alt() {
   return (v && v[0]) ? atoi(v) : 0;
 }
 
-// Weight rows per block of GEMM1 / GEMM2 for a tile size and path (GEMM2: the v8 alternative's
+// Weight rows per block of GEMM1 / GEMM2 for a tile size and path (the v8 / v9 alternative's
 // when one is set for this BT); 0 = not compiled.
 int g2_rows_for(int bt, int path) {
   if (path == 8) {
@@ -1214,25 +1388,29 @@ int g1_rows_for(int bt, int path) {
 }
 
 // GEMM path per call: v6 = grid (n-blocks, t_max); v7 = persistent grid over work items (+ L2
-// prefetch at decode); v8 = wgmma (sm_90a warpgroup MMA), grid as v6. v6 and v7 share their
-// arithmetic (bit-identical outputs); v8 sums K in another order (no split-K). Default by tile
-// size: v8 from BT = kV8MinBt where compiled, else v7 from BT = kV7MinBt (M >= 2048: 1.5-5.5%
-// faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was 15-25% slower
-// at BT 8-32; H200 runs in NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 forces a path wherever the
-// tile size has it (benchmark A/B, tests of each).
+// prefetch at decode); v8 = wgmma (sm_90a warpgroup MMA), grid as v6; v9 = the fused decode
+// kernel (BT 8, calls of at most kDecMaxRoutes routes; v6 for larger BT 8 calls). v6, v7 and v9
+// share their arithmetic (bit-identical outputs); v8 sums K in another order (no split-K).
+// Default by tile size: v8 from BT = kV8MinBt where compiled, else v7 from BT = kV7MinBt (M >=
+// 2048: 1.5-5.5% faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v9,
+// an experiment, measured 4-25 us slower than v6 at M = 1-8) (v7 was 15-25% slower at BT 8-32; H200 runs in NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 /
+// 9 forces a path wherever the tile size has it (benchmark A/B, tests of each).
 constexpr int kV7MinBt = 64;
 constexpr int kV8MinBt = 32;
 int forced_path() {
   const char* v = getenv("EXPERTD_KERNEL_PATH");
   if (!(v && v[0])) return 0;
   const char c = v[0] == 'v' ? v[1] : v[0];
-  return c == '6' ? 6 : c == '8' ? 8 : 7;
+  return c == '6' ? 6 : c == '8' ? 8 : c == '9' ? 9 : 7;
 }
 int kernel_path(int bt) {
   const int f = forced_path();
   const bool wg = g1_rows_for(bt, 8) != 0, mma = g1_rows_for(bt, 6) != 0;
+  const bool dec = bt == kDecBt;
   if (f == 8 && wg) return 8;
+  if (f == 9 && dec) return 9;
   if ((f == 6 || f == 7) && mma) return f;
+  // the default (also where a forced path has no configuration for this BT)
   if (wg && (bt >= kV8MinBt || !mma)) return 8;
   return bt >= kV7MinBt ? 7 : 6;
 }
@@ -1244,8 +1422,8 @@ Plan make_plan(long long m, int top_k, int h, int el, int bt, int path) {
   p.bt = bt;
   p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
   p.pcap = p.t_max * bt;
-  p.g1_rows = g1_rows_for(bt, path);
-  const int g2 = g2_rows_for(bt, path);
+  p.g1_rows = g1_rows_for(bt, path == 9 ? 6 : path);  // v9's GEMM items: v6's at BT 8
+  const int g2 = g2_rows_for(bt, path == 9 ? 6 : path);
   p.nparts = g2 ? h / g2 : 0;
   return p;
 }
@@ -1258,19 +1436,28 @@ bool use_pdl() {
   return !(v && v[0] == '0');
 }
 
+// coop: a cooperative launch (every block resident at once, or the launch fails), for kernels
+// with grid barriers.
 template <typename Kernel, typename... Args>
-int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-           Args... args) {
+int launch_ex(const char* what, bool coop, Kernel kernel, dim3 grid, dim3 block, size_t smem,
+              cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (use_pdl()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (coop) {
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = use_pdl() ? 1 : 0;
+  cfg.numAttrs = n;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
@@ -1279,9 +1466,16 @@ int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, 
   return check_launch(what);
 }
 
+template <typename Kernel, typename... Args>
+int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+           Args... args) {
+  return launch_ex(what, false, kernel, grid, block, smem, stream, args...);
+}
+
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
+  unsigned* bar;  // v9's grid-barrier counters: zero-filled with the workspace, zero after each call
   int* num_tiles;
   int* work_ctr;
   int* tile_expert;
@@ -1301,6 +1495,7 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     o += align256(bytes);
     return ptr;
   };
+  c.bar = reinterpret_cast<unsigned*>(take(2 * sizeof(unsigned)));
   c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
   c.work_ctr = reinterpret_cast<int*>(take(2 * sizeof(int)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
@@ -1357,6 +1552,22 @@ constexpr int kSpreadSmem = 120 * 1024;
 int spread_routes() {
   const char* v = getenv("EXPERTD_KERNEL_SPREAD_ROUTES");
   return (v && v[0]) ? atoi(v) : 0;
+}
+
+// v9: blocks of the fused decode kernel (all resident: blocks per SM x SMs, from the occupancy
+// calculator at expertd_init; 0 = unknown, then v9 calls run v6). EXPERTD_KERNEL_DEC_BLOCKS caps it
+// (experiment; below kDecMaxRoutes it is ignored).
+int g_dec_blocks = 0;
+int dec_blocks() {
+  const char* v = getenv("EXPERTD_KERNEL_DEC_BLOCKS");
+  const int cap = (v && v[0]) ? atoi(v) : 0;
+  return (cap >= kDecMaxRoutes && cap < g_dec_blocks) ? cap : g_dec_blocks;
+}
+// v9: calls with at most this many tiles prefetch their W2 into L2 at the start (default 2: up
+// to 2 experts' W2, 20 MiB at muse-spark, under the 50 MB L2); 0 = off.
+int dec_prefetch_tiles() {
+  const char* v = getenv("EXPERTD_KERNEL_DEC_PREFETCH");
+  return (v && v[0]) ? atoi(v) : 2;
 }
 
 // Resident blocks per SM of each v7 GEMM (index BT / 8, then GEMM1 / GEMM2), from
@@ -1522,8 +1733,8 @@ struct ExpertdMoeArgs {
 
 const char* expertd_last_error(void) { return g_error; }
 
-// The GEMM path (6 or 7) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces one;
-// otherwise v7 from BT = 64); bt = 0: the forced path, or 0 when none is forced.
+// The GEMM path (6, 7, 8 or 9) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
+// one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
 int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
@@ -1576,6 +1787,18 @@ int expertd_init(void) {
   if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
   EXPERTD_FOR_EACH_WG_ALT(EXPERTD_INIT_WG_ALT)
 #undef EXPERTD_INIT_WG_ALT
+  if (cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           DecShape::kSmemBytes) != cudaSuccess)
+    return check_launch("cudaFuncSetAttribute (v9)");
+  int occ = 0, dev = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel, DecShape::kThreads,
+                                                    DecShape::kSmemBytes) != cudaSuccess ||
+      cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    occ = 0;
+    cudaGetLastError();
+  }
+  g_dec_blocks = occ * sms >= kDecMaxRoutes ? occ * sms : 0;
   return 0;
 }
 
@@ -1598,6 +1821,12 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     path = bt >= kV7MinBt ? 7 : 6;
     p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   }
+  // v9 runs calls of at most kDecMaxRoutes routes whose K fits its k-stage; others take v6.
+  if (path == 9 && (a.m * a.top_k > kDecMaxRoutes || dec_blocks() == 0 || a.h % DecShape::kBK ||
+                    a.inter % DecShape::kBK)) {
+    path = 6;
+    p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
+  }
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
   if (static_cast<long long>(c.bytes) > a.workspace_bytes)
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
@@ -1612,14 +1841,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     pf.budget = route_prefetch_bytes();
     pf.max_routes = kRoutePrefetchRoutes;
   }
-
-  // route_kernel<true> only with the (experimental) W13 prefetch on: <false> is v6's kernel.
-  if (int rc = launch("route_kernel", pf.budget > 0 ? route_kernel<true> : route_kernel<false>,
-                      dim3(1), dim3(kRouteThreads),
-                      sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                      a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
-                      c.num_tiles, c.work_ctr, pf))
-    return rc;
 
   GemmArgs g1{};
   g1.codes = static_cast<const uint4*>(a.w13_codes);
@@ -1651,6 +1872,37 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
+
+  if (path == 9) {
+    DecodeArgs d{};
+    d.g1 = g1;
+    d.g2 = g2;
+    d.topk_ids = a.topk_ids;
+    d.topk_weights = static_cast<const float*>(a.topk_weights);
+    d.local_of = a.local_of;
+    d.out = static_cast<uint16_t*>(a.out);
+    d.bar = c.bar;
+    d.num_experts = a.num_experts;
+    d.el = a.el;
+    d.routes = routes;
+    d.top_k = a.top_k;
+    d.m = static_cast<int>(a.m);
+    d.h = a.h;
+    d.nx1 = (2 * a.inter / 16) / DecShape::kMTiles;
+    d.nx2 = (a.h / 16) / DecShape::kMTiles;
+    d.nparts = p.nparts;
+    d.prefetch_tiles = dec_prefetch_tiles();
+    return launch_ex("moe_decode_kernel (v9)", true, moe_decode_kernel, dim3(dec_blocks()),
+                     dim3(DecShape::kThreads), DecShape::kSmemBytes, stream, d);
+  }
+
+  // route_kernel<true> only with the (experimental) W13 prefetch on: <false> is v6's kernel.
+  if (int rc = launch("route_kernel", pf.budget > 0 ? route_kernel<true> : route_kernel<false>,
+                      dim3(1), dim3(kRouteThreads),
+                      sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
+                      a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
+                      c.num_tiles, c.work_ctr, pf))
+    return rc;
 
   int rc = 0;
   int alt = path == 7 ? decode_alt() : 0;
