@@ -179,7 +179,8 @@ def main() -> int:
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
     ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
-    ap.add_argument("--dec-alt-max", type=int, default=8, help="time the v9 variants")
+    ap.add_argument("--dec-alt-max", type=int, default=8, help="time the v6/v9 decode variants")
+    ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -262,7 +263,7 @@ def main() -> int:
             variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
             variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
-        if m <= args.dec_alt_max:  # v9 (fused decode) without the W2 prefetch, fewer blocks
+        if m <= args.dec_alt_max and args.v9_variants:  # v9 without the W2 prefetch, fewer blocks
             variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
             variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}
             variants["v9_b264"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "264"}
@@ -280,6 +281,8 @@ def main() -> int:
                 "EXPERTD_KERNEL_SELF_PREFETCH": "2",
             }
             variants["v7_pf8"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_SELF_PREFETCH": "8"}
+        if m <= args.dec_alt_max:  # v6 with split-K over 8 warps (decode alternative 6)
+            variants["v6_alt6"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "6"}
         if m <= args.alt_max:  # decode alternatives (BT = 8 calls; moe_nvfp4.cu)
             variants["v7_alt1"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "1"}
             variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
@@ -314,7 +317,8 @@ def main() -> int:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname == "v7_alt2" or vname.startswith("v8"):  # another fp32 sum order
+            elif vname in ("v7_alt2", "v6_alt6") or vname.startswith("v8"):
+                # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             else:  # same arithmetic: v7 and v9 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))

@@ -259,6 +259,27 @@ def test_v9_bit_identical_to_v6(case, backend, monkeypatch, m, top_k, blocks, pr
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} top_k={top_k} v9")
 
 
+@pytest.mark.parametrize("path_", ["6", "7"])
+def test_decode_alternative_6(case, backend, monkeypatch, path_):
+    """Decode alternative 6 (split-K over 8 warps, 512-k stages) on v6 and v7: float64-close
+    (another fp32 sum order); presets whose H or I is not a multiple of 512 get a clear error."""
+    preset, layer, state = case
+    m = 5
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=91)
+    ids[:, 0] = int(layer.experts[0])  # local routes: muse-spark's shard owns 4 of 256 experts
+    ids[1:3, 1] = int(layer.experts[-1])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(92))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", path_)
+    monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", "6")
+    if preset.hidden_size % 512 or preset.intermediate_size % 512:
+        with pytest.raises(RuntimeError, match="multiples of the GEMMs' k-stage"):
+            _run(backend, state, x, ids, w, bt=8)
+        return
+    got = _run(backend, state, x, ids, w, bt=8)
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} v{path_} decode alt 6")
+
+
 def test_v9_graph_replays(case, backend, monkeypatch):
     """Graph replays of the fused decode kernel, alternating inputs: each equals its eager v6."""
     from expertd.kernels.cuda import GraphedForward

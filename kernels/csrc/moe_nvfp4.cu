@@ -138,7 +138,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)    \
   X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)
 
-// Alternatives (v7 only, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
+// Alternatives (v6 and v7, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
 // so the next change starts from measurements. GEMM2 keeps the rows per block of the main
 // config of its BT (the partial-sum layout depends on it).
@@ -148,10 +148,18 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   per barrier instead of 16)
 //    2 |  8 |        1  4  2  4  6 |        1  2  2  4  6 | 2 k-groups per warp between barriers
 //    3 | 24 |        1  4  2  4  3 |        1  4  2  4  3 | the same at BT = 24 (3 blocks per SM)
+//    6 |  8 |        1  2  8  8  4 |        1  2  8  8  4 | split-K over 8 warps (BK 512: H and I
+//      |    |                      |                      |   multiples of 512): twice the warps
+//      |    |                      |                      |   per SM at M = 1. On v6 (H200,
+//      |    |                      |                      |   NOTES.md): 5% faster at M = 1-2, 3-4%
+//      |    |                      |                      |   slower from M = 4
+// Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
+// in flight): 3-25% slower; 32-warp GEMM1 blocks with split-K 8: 1-24% slower.
 #define EXPERTD_FOR_EACH_DECODE_ALT(X) \
   X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)  \
   X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)  \
-  X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3)
+  X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3) \
+  X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -1594,7 +1602,7 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  if (OCC >= 10 || path == 7) {  // alternatives (OCC >= 10) exist for v7 only
+  if (path == 7) {
     auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
     auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
     const long long items1 = static_cast<long long>(t_max) * nx1;
@@ -1615,7 +1623,7 @@ int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long lon
     return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[OCC][1], items2)),
                   dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
   }
-  if constexpr (OCC < 10) {
+  {
     auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
     auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
     // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one
@@ -1775,7 +1783,7 @@ int expertd_init(void) {
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
 #undef EXPERTD_INIT
 #define EXPERTD_INIT_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                      \
-  if (int rc = set_smem_attrs<10 + ID, false, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) \
+  if (int rc = set_smem_attrs<10 + ID, true, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) \
     return rc;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
 #undef EXPERTD_INIT_ALT
@@ -1905,7 +1913,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return rc;
 
   int rc = 0;
-  int alt = path == 7 ? decode_alt() : 0;
+  int alt = (path == 6 || path == 7) ? decode_alt() : 0;
 #define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 7))) alt = 0;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
