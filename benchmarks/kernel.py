@@ -262,7 +262,8 @@ def main() -> int:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
             variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
-            variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
+            if pick_bt(m, TOP_K, E) == 8:  # v9 has BT 8 only (v6 past 64 routes)
+                variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
         if m <= args.dec_alt_max and args.v9_variants:  # v9 without the W2 prefetch, fewer blocks
             variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
             variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}

@@ -139,7 +139,7 @@ def _bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def emulate_dequant(p: PackedProjection) -> torch.Tensor:
     """Resident form -> float32 [El, N, K] = E2M1 * fp8 * 2^-7 (the kernel's bf16 A operand),
-    through the kernel's own bit operations (e2m1x8_to_bf16x8, prmt of the scale word)."""
+    through the kernel's own bit operations (e2m1x8_to_bf16x8, the halves of the scale word)."""
     el, mt, kg = p.codes.shape[:3]
     words = p.codes.view(el, mt, kg, 32, 4, 4).to(torch.int64)
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24

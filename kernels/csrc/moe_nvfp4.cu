@@ -30,7 +30,7 @@
 //          the lane's A fragment for k-step ks (rows g, g+8 x k 2t, 2t+1, 2t+8, 2t+9), with the
 //          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 11 ops for 4 registers.
 //   scales bf16 [El][Mt][K/64][8 g][4 ks][2]: fp8 scale * 2^119 (exact) of rows g and g+8 for
-//          k-step ks; one 32-bit word per k-step, split into two broadcast pairs with prmt.
+//          k-step ks; one 32-bit word per k-step (HMUL2 broadcasts each half in its operand).
 //          (v1 kept fp8 and converted in registers: 7 ops per k-step; bf16 costs 11% more bytes
 //          per expert but the kernel is issue-bound, see NOTES.md.)
 //          The product (E2M1 * 2^-126) * (fp8 * 2^119) = E2M1 * fp8 * 2^-7 is exact in bf16; the
@@ -194,16 +194,24 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+// a * (the low / high bf16 of s2 in both halves). bf16 arithmetic keeps subnormals (no .ftz form
+// exists for bf16), so E2M1 0.5 survives. The broadcast costs no instruction: ptxas folds
+// it into HMUL2's operand selector (R.H0_H0 / R.H1_H1); a prmt before the multiply was one
+// instruction per scale (2 of ~27 per k-step).
+__device__ __forceinline__ uint32_t bf16x2_mul_lo(uint32_t a, uint32_t s2) {
   uint32_t d;
-  // bf16 arithmetic keeps subnormals (no .ftz form exists for bf16), so E2M1 0.5 survives.
-  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  asm("{\n .reg .b16 lo, hi;\n .reg .b32 b;\n mov.b32 {lo, hi}, %2;\n mov.b32 b, {lo, lo};\n"
+      " mul.rn.bf16x2 %0, %1, b;\n}\n"
+      : "=r"(d)
+      : "r"(a), "r"(s2));
   return d;
 }
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+__device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
   uint32_t d;
-  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+  asm("{\n .reg .b16 lo, hi;\n .reg .b32 b;\n mov.b32 {lo, hi}, %2;\n mov.b32 b, {hi, hi};\n"
+      " mul.rn.bf16x2 %0, %1, b;\n}\n"
+      : "=r"(d)
+      : "r"(a), "r"(s2));
   return d;
 }
 
@@ -584,14 +592,12 @@ __device__ __forceinline__ void kgroup_mma(float (&acc)[WM][NT][4], const uint4 
         const uint32_t word = p == 0 ? (h == 0 ? q[w].x : q[w].y) : (h == 0 ? q[w].z : q[w].w);
         // bf16 scales * 2^119 of rows g (low half) and g+8 (high half) for this k-step
         const uint32_t s2 = p == 0 ? (h == 0 ? sc[w].x : sc[w].y) : (h == 0 ? sc[w].z : sc[w].w);
-        const uint32_t s_lo = prmt(s2, 0x1010);  // row g   in both halves
-        const uint32_t s_hi = prmt(s2, 0x3232);  // row g+8 in both halves
         uint32_t r[4];
         e2m1x8_to_bf16x8(word, r);
-        af[w][h][0] = bf16x2_mul(r[0], s_lo);
-        af[w][h][1] = bf16x2_mul(r[1], s_hi);
-        af[w][h][2] = bf16x2_mul(r[2], s_lo);
-        af[w][h][3] = bf16x2_mul(r[3], s_hi);
+        af[w][h][0] = bf16x2_mul_lo(r[0], s2);  // row g:   the low scale
+        af[w][h][1] = bf16x2_mul_hi(r[1], s2);  // row g+8: the high one
+        af[w][h][2] = bf16x2_mul_lo(r[2], s2);
+        af[w][h][3] = bf16x2_mul_hi(r[3], s2);
       }
     }
     // k-steps 2p, 2p + 1 are chunks 4p.. 4p + 3 of the k-group: the swizzle flips bit 2
@@ -931,14 +937,12 @@ __device__ __forceinline__ void dequant_stage(const uint8_t* w_s, const uint8_t*
       const uint32_t scl[4] = {sc.x, sc.y, sc.z, sc.w};
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        const uint32_t s_lo = prmt(scl[ks], 0x1010);  // row g   in both halves
-        const uint32_t s_hi = prmt(scl[ks], 0x3232);  // row g+8 in both halves
         uint32_t r[4];
         e2m1x8_to_bf16x8(words[ks], r);
-        af[j][kg * 4 + ks][0] = bf16x2_mul(r[0], s_lo);
-        af[j][kg * 4 + ks][1] = bf16x2_mul(r[1], s_hi);
-        af[j][kg * 4 + ks][2] = bf16x2_mul(r[2], s_lo);
-        af[j][kg * 4 + ks][3] = bf16x2_mul(r[3], s_hi);
+        af[j][kg * 4 + ks][0] = bf16x2_mul_lo(r[0], scl[ks]);  // row g
+        af[j][kg * 4 + ks][1] = bf16x2_mul_hi(r[1], scl[ks]);  // row g+8
+        af[j][kg * 4 + ks][2] = bf16x2_mul_lo(r[2], scl[ks]);
+        af[j][kg * 4 + ks][3] = bf16x2_mul_hi(r[3], scl[ks]);
       }
     }
 }
@@ -1141,7 +1145,8 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
     const int p = pos_of_route[static_cast<long long>(t) * top_k + j];
     float s = 0.0f;
     if (p >= 0)
-      for (int q = lane; q < nparts; q += 32) s += __ldcg(partial + static_cast<long long>(q) * pcap + p);
+      for (int q = lane; q < nparts; q += 32)
+        s += __ldcg(partial + static_cast<long long>(q) * pcap + p);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) {
@@ -1166,7 +1171,8 @@ __device__ __forceinline__ void finalize_chunk(const int t, const int c, const i
     const int p = pos[j];
     if (p < 0) continue;
     const float cj = coef[j];
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8));
+    const uint4 v =
+        __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8));
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1193,7 +1199,8 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   const int t = blockIdx.x;
   pdl_wait();
   finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
-  for (int c = threadIdx.x; c < h / 8; c += blockDim.x) finalize_chunk(t, c, top_k, coef, pos, z, h, out);
+  for (int c = threadIdx.x; c < h / 8; c += blockDim.x)
+    finalize_chunk(t, c, top_k, coef, pos, z, h, out);
 }
 
 // ------------------------------------ v9: fused decode ----------------------------------------
@@ -1400,9 +1407,10 @@ int g1_rows_for(int bt, int path) {
 // kernel (BT 8, calls of at most kDecMaxRoutes routes; v6 for larger BT 8 calls). v6, v7 and v9
 // share their arithmetic (bit-identical outputs); v8 sums K in another order (no split-K).
 // Default by tile size: v8 from BT = kV8MinBt where compiled, else v7 from BT = kV7MinBt (M >=
-// 2048: 1.5-5.5% faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v9,
-// an experiment, measured 4-25 us slower than v6 at M = 1-8) (v7 was 15-25% slower at BT 8-32; H200 runs in NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 /
-// 9 forces a path wherever the tile size has it (benchmark A/B, tests of each).
+// 2048: 1.5-5.5% faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was
+// 15-25% slower at BT 8-32; v9, an experiment, 4-25 us slower than v6 at M = 1-8; H200 runs in
+// NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 / 9 forces a path wherever the tile size has it
+// (benchmark A/B, tests of each).
 constexpr int kV7MinBt = 64;
 constexpr int kV8MinBt = 32;
 int forced_path() {
@@ -1483,7 +1491,7 @@ int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
-  unsigned* bar;  // v9's grid-barrier counters: zero-filled with the workspace, zero after each call
+  unsigned* bar;  // v9's grid-barrier counters: zero with the workspace and after each call
   int* num_tiles;
   int* work_ctr;
   int* tile_expert;
