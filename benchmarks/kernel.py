@@ -324,6 +324,13 @@ def main() -> int:
             else:  # same arithmetic: v7 and v9 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
+        # The default again after the variants: identical graphs time 3-10% apart within one run
+        # (clocks, L2 state), so variants are compared with both timings of the default.
+        t_again = (
+            time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
+            if variants
+            else None
+        )
         # Fixed cost per path: the same call with no route on this shard (every id foreign or
         # -1): route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
         if m <= args.fixed_max:
@@ -349,6 +356,7 @@ def main() -> int:
             "local_routes": local_routes,
             "floor_us": floor * 1e6,
             "graph_us": t_graph * 1e6,
+            "graph_us_after_variants": None if t_again is None else t_again * 1e6,
             "eager_us": t_eager * 1e6,
             "graph_no_pdl_us": None if t_nopdl is None else t_nopdl * 1e6,
             "path": kernel_path(pick_bt(m, TOP_K, E)),
@@ -442,6 +450,15 @@ def main() -> int:
                 f"v7 {r['path_us']['v7_no_local_route']:.1f} "
                 f"v9 {r['path_us']['v9_no_local_route']:.1f}"
                 for r in fixed
+            )
+        )
+    again = [r for r in rows if r.get("graph_us_after_variants")]
+    if again:
+        print(
+            "default timed again after the variants (graph us, first / again): "
+            + ", ".join(
+                f"M={r['M']} {r['graph_us']:.1f} / {r['graph_us_after_variants']:.1f}"
+                for r in again
             )
         )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
