@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the device machine: install, build, GPU tests, sanitizers, benchmark.
 # Logs, JSON and PNG land under $OUT; a short table is printed last.
-#   bash benchmarks/device_check.sh [tests|sanitize|bench|server|service|latency|demo|profile|all] [benchmark args...]
+#   bash benchmarks/device_check.sh [tests|sanitize|bench|server|service|latency|timeline|demo|profile|all] [benchmark args...]
 # (comma lists work: tests,server,service). Carry .whl (grpcio-health-checking and
 # grpcio-reflection 1.84 wheels, missing on the device image) and .carry (kernel cache).
 # A prebuilt kernel cache carried in .carry/kernels is used when its key matches (same sources,
@@ -66,6 +66,17 @@ if [[ $what == *latency* ]]; then
   # pipeline depth (batches in flight), the deployment's view without 7 other shards on the GPU.
   timeout ${T_LATENCY:-300} python3 benchmarks/latency.py --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | tail -9
   summary+=("latency: rc=$?")
+fi
+if [[ $what == *timeline* ]]; then
+  # When each kernel of one forward starts, passes its wait, ends its main loop and ends: the
+  # instrumented library (EXPERTD_KERNEL_TIMELINE=1, built separately; carry it in .carry too),
+  # its GPU test, then the table.
+  timeout ${T_TIMELINE:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_timeline.py >"$OUT/timeline-test.log" 2>&1
+  rc=$?
+  tail -2 "$OUT/timeline-test.log"
+  summary+=("timeline test: rc=$rc $(tail -1 "$OUT/timeline-test.log")")
+  timeout ${T_TIMELINE:-300} python3 benchmarks/timeline.py --out "$OUT" --ms ${TIMELINE_MS:-1,8,256,4096} 2>&1 | tee "$OUT/timeline.log" | tail -30
+  summary+=("timeline: rc=$?")
 fi
 if [[ $what == *demo* ]]; then
   # The README's main job on the GPU: 8 shard processes (muse-spark), the client, the reference.

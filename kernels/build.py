@@ -9,6 +9,8 @@ Environment:
     EXPERTD_KERNEL_VERBOSE  1: print the ninja/nvcc log (and ptxas -v register report)
     EXPERTD_KERNEL_LIB      path of a prebuilt library to load instead of building
     EXPERTD_NVCC            the nvcc to use (default: $CUDA_HOME/bin/nvcc, then PATH)
+    EXPERTD_KERNEL_TIMELINE 1: build (and load) the instrumented library whose kernels record
+                            %globaltimer events for benchmarks/timeline.py
 
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
@@ -60,6 +62,14 @@ NVCC_FLAGS = (
 )
 
 
+def nvcc_flags() -> tuple[str, ...]:
+    """NVCC_FLAGS, plus -DEXPERTD_TIMELINE under EXPERTD_KERNEL_TIMELINE=1 (a separate library:
+    the flags are part of the cache key)."""
+    if os.environ.get("EXPERTD_KERNEL_TIMELINE", "") == "1":
+        return (*NVCC_FLAGS, "-DEXPERTD_TIMELINE")
+    return NVCC_FLAGS
+
+
 def cache_dir() -> Path:
     default = Path.home() / ".cache" / "expertd" / "kernels"
     return Path(os.environ.get("EXPERTD_KERNEL_CACHE", default)).expanduser().resolve()
@@ -90,7 +100,7 @@ def build_key(nvcc: str) -> str:
     for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(nvcc_flags()).encode())
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     h.update(version.encode())
     return h.hexdigest()[:16]
@@ -100,7 +110,7 @@ def _ninja_file(nvcc: str, out_dir: Path) -> str:
     srcs = " ".join(str(CSRC / s) for s in SOURCES)
     deps = " ".join(str(p) for p in sorted(CSRC.iterdir()) if p.suffix in (".cuh", ".h"))
     implicit = f" | {deps}" if deps else ""
-    flags = " ".join(NVCC_FLAGS)
+    flags = " ".join(nvcc_flags())
     return (
         "ninja_required_version = 1.3\n"
         f"nvcc = {nvcc}\n"

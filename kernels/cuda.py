@@ -78,17 +78,27 @@ def load_library() -> ctypes.CDLL:
             lib.expertd_kernel_path.argtypes = [ctypes.c_int]
             lib.expertd_moe_forward.restype = ctypes.c_int
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
+            lib.expertd_set_timeline.restype = ctypes.c_int
+            lib.expertd_set_timeline.argtypes = [ctypes.c_void_p]
             _LIB = lib
         return _LIB
 
 
 def kernel_path(bt: int = 0) -> int:
-    """The GEMM path (6, 7 or 8) a forward with tile size `bt` takes now; bt = 0: the path forced
-    by `EXPERTD_KERNEL_PATH=6|7|8`, or 0 when none is (then v8, the wgmma GEMM, where the tile size
-    has it from BT = 32, v7 from BT = 64, v6 below; moe_nvfp4.cu).
+    """The GEMM path (6, 7, 8 or 9) a forward with tile size `bt` takes now; bt = 0: the path
+    forced by `EXPERTD_KERNEL_PATH=6|7|8|9`, or 0 when none is (then v8, the wgmma GEMM, where the
+    tile size has it from BT = 32, v7 from BT = 64, v6 below; moe_nvfp4.cu).
 
     Read per call, so a CUDA graph keeps the path it was captured with."""
     return int(load_library().expertd_kernel_path(bt))
+
+
+def set_timeline(buf: torch.Tensor | None) -> None:
+    """Point the kernels' timeline marks at `buf` (int64 [32] on the GPU; see
+    benchmarks/timeline.py) or turn them off (None). Needs the library built with
+    EXPERTD_KERNEL_TIMELINE=1 (set before the first use of the library)."""
+    lib = load_library()
+    _check(lib, lib.expertd_set_timeline(None if buf is None else buf.data_ptr()), "timeline")
 
 
 def pick_bt(m: int, top_k: int, num_experts: int) -> int:

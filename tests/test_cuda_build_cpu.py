@@ -33,3 +33,17 @@ def test_cache_key_depends_on_sources_and_flags(tmp_path, monkeypatch):
     assert key == build.build_key(str(fake_nvcc))  # stable
     monkeypatch.setattr(build, "NVCC_FLAGS", (*build.NVCC_FLAGS, "-DEXTRA"))
     assert build.build_key(str(fake_nvcc)) != key
+
+
+def test_timeline_build_is_a_separate_library(tmp_path, monkeypatch):
+    """EXPERTD_KERNEL_TIMELINE=1 adds -DEXPERTD_TIMELINE: another cache key, so the production
+    library (no marks) and the instrumented one live side by side."""
+    fake_nvcc = tmp_path / "nvcc"
+    fake_nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    fake_nvcc.chmod(0o755)
+    monkeypatch.delenv("EXPERTD_KERNEL_TIMELINE", raising=False)
+    plain = build.build_key(str(fake_nvcc))
+    assert "-DEXPERTD_TIMELINE" not in build._ninja_file(str(fake_nvcc), tmp_path)
+    monkeypatch.setenv("EXPERTD_KERNEL_TIMELINE", "1")
+    assert build.build_key(str(fake_nvcc)) != plain
+    assert "-DEXPERTD_TIMELINE" in build._ninja_file(str(fake_nvcc), tmp_path)

@@ -241,6 +241,31 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
+// Timeline instrumentation (benchmarks/timeline.py; only in the library built with
+// -DEXPERTD_TIMELINE, see kernels/build.py: elsewhere the marks compile to nothing). Kernel k of
+// a call (0 route, 1 GEMM1, 2 GEMM2, 3 finalize), event ev (0 block entry, 1 after its
+// griddepcontrol.wait, 2 main loop done, 3 block done): thread 0 of every block folds %globaltimer
+// (ns) into g_timeline[(k * 4 + ev) * 2 + 0 / 1] = min / max over the blocks.
+#ifdef EXPERTD_TIMELINE
+__device__ unsigned long long* g_timeline = nullptr;
+__device__ __forceinline__ void tl_mark(int k, int ev) {
+  unsigned long long* t = g_timeline;
+  if (t == nullptr || threadIdx.x != 0) return;
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  atomicMin(t + (k * 4 + ev) * 2, now);
+  atomicMax(t + (k * 4 + ev) * 2 + 1, now);
+}
+// Block done: after every thread's work (a barrier: call from all threads, in uniform code).
+__device__ __forceinline__ void tl_done(int k) {
+  __syncthreads();
+  tl_mark(k, 3);
+}
+#else
+__device__ __forceinline__ void tl_mark(int, int) {}
+__device__ __forceinline__ void tl_done(int) {}
+#endif
+
 // L2 prefetch by the copy engine (sm_90 cp.async.bulk.prefetch; 16-B aligned, size a multiple
 // of 16). A hint: never changes results.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
@@ -306,7 +331,9 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   int* off = sm + el;
   int* fill = off + el + 1;
   const int tid = threadIdx.x;
+  tl_mark(0, 0);
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
+  tl_mark(0, 1);
   pdl_launch_dependents();
   if (tid < 2) work_ctr[tid] = 0;  // v7's item counters (GEMM1, GEMM2)
   for (int i = tid; i < el; i += kRouteThreads) {
@@ -404,6 +431,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     }
     pos_of_route[r] = p;
   }
+  tl_done(0);
 }
 
 // ------------------------------------ 2./3. grouped GEMM -------------------------------------
@@ -792,6 +820,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     }
   }
   cp_async_wait<0>();
+  tl_mark(GATED ? 1 : 2, 2);
   if (trigger) pdl_launch_dependents();
 
   // Split-K: the NK k-warps' partial sums meet in k-warp 0 (pipeline memory is idle now).
@@ -807,9 +836,12 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
+  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
+  tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
   gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+  tl_done(GATED ? 1 : 2);
 }
 
 // v7: persistent grid of (blocks per SM x SMs) blocks over the work items w = tile * nx + xb
@@ -1079,6 +1111,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     wgmma_wait<0>();  // this stage's slot and the A registers are free again
   }
   cp_async_wait<0>();
+  tl_mark(GATED ? 1 : 2, 2);
   pdl_launch_dependents();
   gemm_epilogue<BT, WM, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[WM][NT][4]>(acc),
                                            e, tile, xb, mt0, warp, true, red);
@@ -1108,7 +1141,9 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
+  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
+  tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
   extern __shared__ uint8_t smem_raw[];
@@ -1128,6 +1163,7 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
   const int rows = __syncthreads_count(valid);
   v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED>(a, tile, blockIdx.x, e, rows, row_off, red,
                                               smem_raw);
+  tl_done(GATED ? 1 : 2);
 }
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
@@ -1197,10 +1233,13 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   float* coef = fsm;
   int* pos = reinterpret_cast<int*>(fsm + top_k);
   const int t = blockIdx.x;
+  tl_mark(3, 0);
   pdl_wait();
+  tl_mark(3, 1);
   finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
   for (int c = threadIdx.x; c < h / 8; c += blockDim.x)
     finalize_chunk(t, c, top_k, coef, pos, z, h, out);
+  tl_done(3);
 }
 
 // ------------------------------------ v9: fused decode ----------------------------------------
@@ -1748,6 +1787,20 @@ struct ExpertdMoeArgs {
 };
 
 const char* expertd_last_error(void) { return g_error; }
+
+// benchmarks/timeline.py: point the kernels' timeline marks at a device buffer of 32 uint64
+// (nullptr: off). Returns 1 (and an error message) in a library built without EXPERTD_TIMELINE.
+int expertd_set_timeline(void* buf) {
+#ifdef EXPERTD_TIMELINE
+  unsigned long long* p = static_cast<unsigned long long*>(buf);
+  if (cudaMemcpyToSymbol(g_timeline, &p, sizeof(p)) != cudaSuccess)
+    return check_launch("cudaMemcpyToSymbol (timeline)");
+  return 0;
+#else
+  (void)buf;
+  return fail(1, "this kernel library was built without EXPERTD_TIMELINE=1");
+#endif
+}
 
 // The GEMM path (6, 7, 8 or 9) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
 // one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
