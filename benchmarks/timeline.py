@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel import EL, TOP_K, E, H, gpu_layer, routes
+from kernel import EL, TOP_K, E, H, gpu_layer, graphed, routes
 
 from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path, pick_bt, set_timeline
 
@@ -78,9 +78,7 @@ def main() -> int:
         ids, w = routes(m, gen)
         ids[:, 0] = layer.experts[m % EL]
         x = torch.randn((m, H), generator=gen, device="cuda").to(torch.bfloat16)
-        g = GraphedForward(backend, state, m, TOP_K)
-        for dst, src in zip((g.x, g.topk_ids, g.topk_weights), (x, ids, w), strict=True):
-            dst.copy_(src)
+        g = graphed(backend, state, m, (x, ids, w))
         for _ in range(10):
             g.replay()
         set_timeline(buf)

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from expertd.kernels import build
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path) -> Path:
+    """An "nvcc" that only prints a version (the cache key reads it)."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    nvcc.chmod(0o755)
+    return nvcc
 
 
 def test_ninja_file_targets_sm90a_and_every_source(tmp_path):
@@ -25,22 +36,16 @@ def test_cache_dir_and_prebuilt_library_from_environment(tmp_path, monkeypatch):
     assert build.library_path() == Path(lib)
 
 
-def test_cache_key_depends_on_sources_and_flags(tmp_path, monkeypatch):
-    fake_nvcc = tmp_path / "nvcc"
-    fake_nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
-    fake_nvcc.chmod(0o755)
+def test_cache_key_depends_on_sources_and_flags(fake_nvcc, monkeypatch):
     key = build.build_key(str(fake_nvcc))
     assert key == build.build_key(str(fake_nvcc))  # stable
     monkeypatch.setattr(build, "NVCC_FLAGS", (*build.NVCC_FLAGS, "-DEXTRA"))
     assert build.build_key(str(fake_nvcc)) != key
 
 
-def test_timeline_build_is_a_separate_library(tmp_path, monkeypatch):
+def test_timeline_build_is_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
     """EXPERTD_KERNEL_TIMELINE=1 adds -DEXPERTD_TIMELINE: another cache key, so the production
     library (no marks) and the instrumented one live side by side."""
-    fake_nvcc = tmp_path / "nvcc"
-    fake_nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
-    fake_nvcc.chmod(0o755)
     monkeypatch.delenv("EXPERTD_KERNEL_TIMELINE", raising=False)
     plain = build.build_key(str(fake_nvcc))
     assert "-DEXPERTD_TIMELINE" not in build._ninja_file(str(fake_nvcc), tmp_path)

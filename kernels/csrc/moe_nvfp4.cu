@@ -1308,7 +1308,8 @@ __global__ void __launch_bounds__(DecShape::kThreads) moe_decode_kernel(const De
         ++cnt;
         within += r < tid;
       }
-  if (tid < kDecMaxRoutes) s_tiles[tid] = (e >= 0 && within == 0) ? (cnt + kDecBt - 1) / kDecBt : 0;
+  if (tid < kDecMaxRoutes)
+    s_tiles[tid] = (e >= 0 && within == 0) ? (cnt + kDecBt - 1) / kDecBt : 0;
   __syncthreads();
   if (tid < kDecMaxRoutes) {
     int before = 0, total = 0;
