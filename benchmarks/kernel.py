@@ -173,9 +173,7 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
     ap.add_argument("--pdl-ab-max", type=int, default=0, help="time graphs without PDL too")
-    ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time v6 and v7 graphs")
-    ap.add_argument("--nopf-max", type=int, default=16, help="time v7 without L2 prefetch too")
-    ap.add_argument("--spread-max", type=int, default=8, help="time v7 one-GEMM1-block-per-SM")
+    ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time every path forced")
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
     ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
@@ -255,12 +253,11 @@ def main() -> int:
             plain = [graphed(backend, state, m, inputs, env=nopdl) for inputs in sets]
             t_nopdl = time_calls(lambda s, plain=plain: plain[s].replay(), n_sets, calls, reps)
             del plain
-        # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH, EXPERTD_KERNEL_PREFETCH),
+        # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH and the alternatives),
         # graphs captured under each setting; graph_us above is the default path.
         variants = {}
         if m <= args.path_ab_max:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
-            variants["v7"] = {"EXPERTD_KERNEL_PATH": "7"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
             if pick_bt(m, TOP_K, E) == 8:  # v9 has BT 8 only (v6 past 64 routes)
                 variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
@@ -268,27 +265,11 @@ def main() -> int:
             variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
             variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}
             variants["v9_b264"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "264"}
-        if m <= args.nopf_max:
-            variants["v7_nopf"] = {
-                "EXPERTD_KERNEL_PATH": "7",
-                "EXPERTD_KERNEL_PREFETCH": "0",
-                "EXPERTD_KERNEL_SELF_PREFETCH": "0",
-                "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "0",
-            }
-        if m <= args.nopf_max:
-            variants["v7_pf2"] = {
-                "EXPERTD_KERNEL_PATH": "7",
-                "EXPERTD_KERNEL_PREFETCH": "2",
-                "EXPERTD_KERNEL_SELF_PREFETCH": "2",
-            }
-            variants["v7_pf8"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_SELF_PREFETCH": "8"}
         if m <= args.dec_alt_max:  # v6 with split-K over 8 warps (decode alternative 6)
             variants["v6_alt6"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "6"}
-        if m <= args.alt_max:  # decode alternatives (BT = 8 calls; moe_nvfp4.cu)
-            variants["v7_alt1"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "1"}
-            variants["v7_alt2"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "2"}
-        if 256 <= m <= 512:  # BT = 24 calls
-            variants["v7_alt3"] = {"EXPERTD_KERNEL_PATH": "7", "EXPERTD_KERNEL_DECODE_ALT": "3"}
+        if m <= args.alt_max:  # v6 decode alternatives 1, 2 (BT = 8 calls; moe_nvfp4.cu)
+            variants["v6_alt1"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "1"}
+            variants["v6_alt2"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "2"}
         if args.wg_alt and m >= 64:  # v8 alternatives for the BT the call picks (moe_nvfp4.cu)
             for alt, bt in WG_ALTS.items():
                 if bt == pick_bt(m, TOP_K, E):
@@ -296,16 +277,6 @@ def main() -> int:
                         "EXPERTD_KERNEL_PATH": "8",
                         "EXPERTD_KERNEL_WG_ALT": str(alt),
                     }
-        if m <= args.spread_max:  # W13 prefetched by route_kernel (one SM's copy engine)
-            variants["v7_routepf"] = {
-                "EXPERTD_KERNEL_PATH": "7",
-                "EXPERTD_KERNEL_ROUTE_PREFETCH_MIB": "24",
-            }
-        if m <= args.spread_max:
-            variants["v7_spread"] = {
-                "EXPERTD_KERNEL_PATH": "7",
-                "EXPERTD_KERNEL_SPREAD_ROUTES": "64",
-            }
         path_us = {}
         v6_out = None
         for vname, env in variants.items():
@@ -318,10 +289,10 @@ def main() -> int:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in ("v7_alt2", "v6_alt6") or vname.startswith("v8"):
+            elif vname in ("v6_alt2", "v6_alt6") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v7 and v9 must reproduce v6 bit for bit
+            else:  # same arithmetic: v9 and v6_alt1 must reproduce v6 bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
         # The default again after the variants: identical graphs time 3-10% apart within one run
@@ -335,7 +306,7 @@ def main() -> int:
         # -1): route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
         if m <= args.fixed_max:
             foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
-            for pname in ("6", "7", "9"):
+            for pname in ("6", "9"):
                 inputs = (sets[0][0], foreign, sets[0][2])
                 g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": pname})
                 t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
@@ -414,10 +385,10 @@ def main() -> int:
     forced = kernel_path()
     print(
         f"GEMM path (graph us column): {f'v{forced}' if forced else 'default by BT (path column)'}"
-        "; v6/v7 columns: each path forced"
+        "; v6/v8/v9 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v7 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8} {'best alt':>8}"
+    head += f" {'v6 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8} {'best alt':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -427,7 +398,6 @@ def main() -> int:
             f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
             f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v7', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
             f"{r['path_us'].get('v9', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
@@ -441,13 +411,12 @@ def main() -> int:
                 f" {r['rel_err_vs_baseline']:>8.1e}"
             )
         print(line)
-    fixed = [r for r in rows if "v7_no_local_route" in r["path_us"]]
+    fixed = [r for r in rows if "v9_no_local_route" in r["path_us"]]
     if fixed:
         print(
             "no local route (fixed cost), graph us: "
             + ", ".join(
                 f"M={r['M']} v6 {r['path_us']['v6_no_local_route']:.1f} "
-                f"v7 {r['path_us']['v7_no_local_route']:.1f} "
                 f"v9 {r['path_us']['v9_no_local_route']:.1f}"
                 for r in fixed
             )
@@ -462,13 +431,13 @@ def main() -> int:
             )
         )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
-    print("v7, v9 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
+    print("v9, v6_alt1 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
     print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
         keys = list(sweep[0]["bt_us"])
-        print(f"(each BT on its default path: v8 at {WG_BTS}, v6/v7 below)")
+        print(f"(each BT on its default path: v8 at {WG_BTS}, v6 below)")
         print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in keys))
         for r in sweep:
             print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in keys))

@@ -14,22 +14,13 @@ Environment:
 
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
-    EXPERTD_KERNEL_PATH     6, 7, 8 or 9: force one GEMM path where the tile size has it (default:
-                            v8 (wgmma) from BT 32, v7 at BT 64 without v8, v6 below; 9: the
-                            fused decode kernel, BT 8 calls of <= 64 routes, an experiment)
+    EXPERTD_KERNEL_PATH     6, 8 or 9: force one GEMM path where the tile size has it (default:
+                            v8 (wgmma) from BT 32, v6 below; 9: the fused decode kernel, BT 8
+                            calls of <= 64 routes, an experiment)
     EXPERTD_KERNEL_WG_ALT   v8 experiment: configuration alternative id (moe_nvfp4.cu; 0)
-    EXPERTD_KERNEL_PREFETCH v7: GEMM2 prefetches W2 into L2 before waiting for GEMM1 when
-                            num_tiles <= this (1; 0 off)
-    EXPERTD_KERNEL_SELF_PREFETCH  v7: each GEMM item prefetches its weight slab into L2 as it
-                            starts when num_tiles <= this (1; 0 off)
-    EXPERTD_KERNEL_ROUTE_PREFETCH_MIB  v7 experiment, M*top_k <= 64: route_kernel prefetches the
-                            hit experts' whole W13 when it fits this many MiB (0, off)
-    EXPERTD_KERNEL_DECODE_ALT          v6/v7 experiment: config alternative id (moe_nvfp4.cu; 0)
+    EXPERTD_KERNEL_DECODE_ALT          v6 experiment: config alternative id (moe_nvfp4.cu; 0)
     EXPERTD_KERNEL_DEC_BLOCKS          v9: at most this many blocks (>= 64; default: all that fit)
     EXPERTD_KERNEL_DEC_PREFETCH        v9: W2 to L2 at the start when num_tiles <= this (2; 0 off)
-    EXPERTD_KERNEL_SPREAD_ROUTES       v7 experiment: one GEMM1 block per SM up to this many
-                                       routes (0, off)
-    EXPERTD_KERNEL_GRID_CAP v7: at most this many blocks per GEMM grid (tests; 0 = none)
 
 Run `python -m expertd.kernels.build` to build and print the library path.
 """

@@ -85,9 +85,9 @@ def load_library() -> ctypes.CDLL:
 
 
 def kernel_path(bt: int = 0) -> int:
-    """The GEMM path (6, 7, 8 or 9) a forward with tile size `bt` takes now; bt = 0: the path
-    forced by `EXPERTD_KERNEL_PATH=6|7|8|9`, or 0 when none is (then v8, the wgmma GEMM, where the
-    tile size has it from BT = 32, v7 from BT = 64, v6 below; moe_nvfp4.cu).
+    """The GEMM path (6, 8 or 9) a forward with tile size `bt` takes now; bt = 0: the path
+    forced by `EXPERTD_KERNEL_PATH=6|8|9`, or 0 when none is (then v8, the wgmma GEMM, where the
+    tile size has it from BT = 32, v6 below; moe_nvfp4.cu).
 
     Read per call, so a CUDA graph keeps the path it was captured with."""
     return int(load_library().expertd_kernel_path(bt))

@@ -33,11 +33,10 @@ def backend():
     return CudaBackend("cuda")
 
 
-@pytest.fixture(params=["6", "7", "8", "9"])
+@pytest.fixture(params=["6", "8", "9"])
 def path(request, monkeypatch):
-    """Every GEMM path (moe_nvfp4.cu: v6 grid, v7 persistent grid + L2 prefetch, v8 wgmma, v9
-    fused decode kernel; a forced path applies to the tile sizes it has, the others take the
-    default)."""
+    """Every GEMM path (moe_nvfp4.cu: v6 mma.sync, v8 wgmma, v9 fused decode kernel; a forced
+    path applies to the tile sizes it has, the others take the default)."""
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", request.param)
     return int(request.param)
 
@@ -102,14 +101,13 @@ def test_forward_matches_reference(case, backend, path, m):
 
 @pytest.mark.parametrize(
     "path,bt,alt",
-    [(7, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
+    [(6, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
     + [(8, bt, 0) for bt in (32, 48, 64, 96, 128)]
     + [(8, 32, 1), (8, 48, 2), (8, 32, 3), (8, 32, 4)]
     + [(9, 8, 0)],
 )
 def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt, alt):
-    # v7 for the mma.sync tiles (v6's GEMM body is the same gemm_tile;
-    # test_v7_bit_identical_to_v6 compares them), v8 for the wgmma ones and its alternatives,
+    # v6 for the mma.sync tiles, v8 for the wgmma ones and its alternatives,
     # v9 (fused decode; at M = 97 the call is too large for it, so v6 runs: test_v9_* cover it)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", str(path))
     monkeypatch.setenv("EXPERTD_KERNEL_WG_ALT", str(alt))
@@ -169,61 +167,6 @@ def test_default_path_by_tile_size(backend, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cap,prefetch,spread,alt",
-    [
-        (0, "0", "0", "0"),
-        (0, "1000", "0", "0"),
-        (1, "2", "0", "0"),
-        (3, "1000", "1000", "0"),
-        (7, "0", "0", "0"),
-        (130, "2", "0", "0"),
-        (0, "2", "100000", "0"),
-        (0, "1", "0", "1"),
-        (5, "0", "0", "2"),
-        (0, "1000", "0", "2"),
-        (0, "1", "0", "3"),
-    ],
-)
-def test_v7_bit_identical_to_v6(case, backend, monkeypatch, cap, prefetch, spread, alt):
-    """v7 changes the schedule, not the arithmetic: outputs equal v6's bit for bit, also with
-    the persistent grid capped to a few blocks (each loops over many items), the L2 prefetches
-    forced on or off, one GEMM1 block per SM, and alternatives 1 (fewer rows per block) and 3
-    (larger stages, same k-groups per warp in the same order). Alternative 2 splits K over 2
-    warps instead of 4, which changes the fp32 sum order: it is held to float64 instead."""
-    preset, layer, state = case
-    m = 45
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=21)
-    ids[:3] = int(layer.experts[0])  # one expert with several tiles
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(22))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-    want = _run(backend, state, x, ids, w)
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
-    monkeypatch.setenv("EXPERTD_KERNEL_GRID_CAP", str(cap))
-    monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", prefetch)
-    monkeypatch.setenv("EXPERTD_KERNEL_SELF_PREFETCH", prefetch)
-    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "64" if prefetch != "0" else "0")
-    monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_ROUTES", spread)
-    monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", alt)
-    for bt in (0, 8, 24, 32, 64):
-        got = _run(backend, state, x, ids, w, bt=bt)
-        ref = want if bt == 0 else None
-        if ref is None:
-            monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-            ref = _run(backend, state, x, ids, w, bt=bt)
-            monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
-        if alt == "2":
-            if bt == 8:
-                want8 = _reference((preset.name, "v7"), layer, x, ids, w)
-                _check(got, want8, f"{preset.name} v7 alt=2 bt=8")
-            continue
-        assert torch.equal(got, ref), f"cap={cap} prefetch={prefetch} alt={alt} bt={bt}"
-    ref = _reference((preset.name, "v7"), layer, x, ids, w)
-    what = f"{preset.name} v7 cap={cap} prefetch={prefetch} spread={spread} alt={alt}"
-    _check(got, ref, what)
-
-
-@pytest.mark.parametrize(
     "m,top_k,blocks,prefetch",
     [
         (1, 0, 0, "2"),
@@ -259,9 +202,9 @@ def test_v9_bit_identical_to_v6(case, backend, monkeypatch, m, top_k, blocks, pr
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} top_k={top_k} v9")
 
 
-@pytest.mark.parametrize("path_", ["6", "7"])
+@pytest.mark.parametrize("path_", ["6"])
 def test_decode_alternative_6(case, backend, monkeypatch, path_):
-    """Decode alternative 6 (split-K over 8 warps, 512-k stages) on v6 and v7: float64-close
+    """Decode alternative 6 (split-K over 8 warps, 512-k stages) on v6: float64-close
     (another fp32 sum order); presets whose H or I is not a multiple of 512 get a clear error."""
     preset, layer, state = case
     m = 5
@@ -298,24 +241,6 @@ def test_v9_graph_replays(case, backend, monkeypatch):
         got = g(*cases[i % 2]).clone()
         torch.cuda.synchronize()
         assert torch.equal(got, wants[i % 2]), f"replay {i}"
-
-
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_v7_decode_prefetches_bit_identical(case, backend, monkeypatch, m):
-    """M <= 8: route_kernel's W13 prefetch (experiment) and the slab prefetches on: v6's bits."""
-    preset, layer, state = case
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=31 + m, drop=0.0)
-    ids[0, : preset.top_k // 2] = torch.tensor(layer.experts[: preset.top_k // 2])
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(32))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-    want = _run(backend, state, x, ids, w)
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "7")
-    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB", "1024")
-    monkeypatch.setenv("EXPERTD_KERNEL_PREFETCH", "1000")
-    monkeypatch.setenv("EXPERTD_KERNEL_SELF_PREFETCH", "1000")
-    assert torch.equal(_run(backend, state, x, ids, w), want)
-    _check(want, reference_forward(layer, x, ids, w), f"{preset.name} M={m} decode prefetch")
 
 
 def test_gate_and_up_global_scales_differ(case):

@@ -13,12 +13,12 @@
 //   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j]; writes
 //                        every element (zeros for tokens with no owned route).
 //
-// GEMM paths (EXPERTD_KERNEL_PATH=6/7; same arithmetic, bit-identical outputs):
-//   v6  GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or not, so
-//       most blocks find tile >= num_tiles and exit (80-90% of them at top-8 of 256, 32 experts).
-//   v7  persistent GEMM grids (blocks per SM x SMs) over work items (tile, n-block) taken from a
-//       counter; GEMM1 lets GEMM2's blocks in at once; at decode (one tile) every GEMM block
-//       bulk-prefetches its whole weight slab into L2 as it starts, GEMM2's before it waits.
+// GEMM paths (EXPERTD_KERNEL_PATH=6/8/9):
+//   v6  mma.sync GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or
+//       not, so most blocks find tile >= num_tiles and exit (80-90% at top-8 of 256, 32 experts).
+//   v8  wgmma GEMMs (from BT 32), same grids. v9: the fused decode kernel (an experiment).
+//   (v7, persistent grids with L2 prefetches at decode, was removed in session 3: the default
+//   nowhere, 15-25% slower than v6 where it ran; kernels/NOTES.md.)
 //
 // GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
 // tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
@@ -138,7 +138,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)    \
   X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)
 
-// Alternatives (v6 and v7, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
+// Alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
 // so the next change starts from measurements. GEMM2 keeps the rows per block of the main
 // config of its BT (the partial-sum layout depends on it).
@@ -272,13 +272,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
 
-// An L2 load (ld.global.cg) for index arrays read by other SMs' kernels.
-__device__ __forceinline__ int ld_cg_now(const int* p) {
-  int v;
-  asm volatile("ld.global.cg.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -309,23 +302,10 @@ __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
   return (e >= 0 && e < el) ? e : -1;
 }
 
-// v7 experiment at decode: once the hit experts are counted, warps 1.. bulk-prefetch their whole
-// W13 into L2 (when it fits `budget`) while warp 0 scans.
-struct RoutePrefetch {
-  const uint8_t* codes;   // W13 codes [El][Mt][K/64][512 B]
-  const uint8_t* scales;  // W13 scales [El][Mt][K/64][128 B]
-  int mt;                 // m-tiles per expert (2I / 16)
-  int kg;                 // 64-k groups (H / 64)
-  long long budget;       // bytes; 0 = off
-  int max_routes;         // only calls with at most this many routes
-};
-
-template <bool PF>
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
     int num_experts, int el, int bt, int* __restrict__ sorted_route,
-    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles,
-    int* __restrict__ work_ctr, const RoutePrefetch pf) {
+    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* off = sm + el;
@@ -335,7 +315,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
   tl_mark(0, 1);
   pdl_launch_dependents();
-  if (tid < 2) work_ctr[tid] = 0;  // v7's item counters (GEMM1, GEMM2)
   for (int i = tid; i < el; i += kRouteThreads) {
     cnt[i] = 0;
     fill[i] = 0;
@@ -355,28 +334,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  // Uniform condition: the second barrier (hit experts counted once all counts are in) only runs
-  // when the prefetch is on.
-  const bool pf_on = PF && pf.budget > 0 && num_routes <= pf.max_routes && el <= kRouteThreads;
-  const int hits = pf_on ? __syncthreads_count(tid < el && cnt[tid] > 0) : 0;
-  const long long cbytes = static_cast<long long>(pf.mt) * pf.kg * 512;  // one expert's codes
-  const long long sbytes = static_cast<long long>(pf.mt) * pf.kg * 128;  // and scales
-  if (PF && tid >= 32 && hits && hits * (cbytes + sbytes) <= pf.budget) {
-    // Whole experts only (contiguous): 64 KB bulk prefetches, one per thread at a time (the
-    // instruction takes uniform operands, so a warp issues its lanes' addresses one by one).
-    constexpr long long kChunk = 64 << 10;
-    const long long per_e = (cbytes + kChunk - 1) / kChunk + (sbytes + kChunk - 1) / kChunk;
-    for (int e = 0; e < el; ++e) {
-      if (cnt[e] == 0) continue;
-      for (long long i = tid - 32; i < per_e; i += kRouteThreads - 32) {
-        const long long nc = (cbytes + kChunk - 1) / kChunk;
-        const bool is_code = i < nc;
-        const long long o = (is_code ? i : i - nc) * kChunk, n = is_code ? cbytes : sbytes;
-        const uint8_t* base = is_code ? pf.codes + e * cbytes : pf.scales + e * sbytes;
-        prefetch_l2(base + o, static_cast<uint32_t>(min(kChunk, n - o)));
-      }
-    }
-  }
   if (tid < 32) {  // exclusive scan of the padded counts: lane l owns experts [l*c, (l+1)*c)
     const int c = (el + 31) / 32;
     int sum = 0;
@@ -451,11 +408,6 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
-  // v7 only
-  int* work_ctr;               // items taken past the first grid (zeroed by route_kernel)
-  int nx;                      // n-blocks per tile
-  int prefetch_tiles;          // GEMM2: first item's slab to L2 before the wait, num_tiles <= this
-  int self_prefetch_tiles;     // each item's slab to L2 as it starts when num_tiles <= this
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -474,15 +426,6 @@ struct GemmShape {
   static constexpr int kWPer = (kWChunks + kThreads - 1) / kThreads;  // 16-B copies per thread
   static constexpr int kSPer = (kSChunks + kThreads - 1) / kThreads;
   static constexpr int kAPer = (kAChunks + kThreads - 1) / kThreads;
-  // Blocks per SM that shared memory allows (228 KB per SM, 1 KB reserved per block, the static
-  // red / row_off arrays): v7's kernels ask ptxas to fit that many in registers too
-  // (__launch_bounds__ min blocks), since their loop-carried state would otherwise cost a block
-  // per SM at BT = 24 (78 registers: 3 blocks where v6 has 4).
-  static constexpr int kStaticSmem = NW * BT * 4 + BT * 8 + 64;
-  static constexpr int kSmemFit = 233472 / (kSmemBytes + kStaticSmem + 1024);
-  static constexpr int kThreadFit = 2048 / kThreads;
-  static constexpr int kMinBlocks =
-      kSmemFit < 1 ? 1 : (kSmemFit < kThreadFit ? kSmemFit : kThreadFit);
   static_assert(BT % 8 == 0, "BT is a multiple of the MMA's n = 8");
   static_assert(kBK >= 64, "the activation swizzle needs 8 chunks per row");
   static_assert(KG % NK == 0, "each k-warp takes KG / NK groups of every stage");
@@ -490,9 +433,8 @@ struct GemmShape {
 };
 
 // Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
-// layout) into L2 (v7 at decode): a whole item's bytes requested at once, where the cp.async
-// ring keeps ST - 1 stages in flight; GEMM2 issues its first before waiting for GEMM1. A hint:
-// no effect on results.
+// layout) into L2 (v9 at decode: W2 under GEMM1): a whole item's bytes requested at once, where
+// the cp.async ring keeps ST - 1 stages in flight. A hint: no effect on results.
 template <int BT, int WM, int NW, int NK, int KG, int ST>
 __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
@@ -509,7 +451,7 @@ __device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) 
     prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
 }
 
-// Epilogue of one work item, shared by the mma.sync (v6/v7) and wgmma (v8) GEMMs. acc[w][n][c]
+// Epilogue of one work item, shared by the mma.sync (v6, v9) and wgmma (v8) GEMMs. acc[w][n][c]
 // is the accumulator of m-tile (mt0 + wm * WM + w), n-tile n, in the m16n8 fragment layout
 // (c0/c1 row g, c2/c3 row g + 8, columns 2 t4 and 2 t4 + 1), which wgmma's m64nN accumulator
 // repeats per 8 columns. `active`: this warp holds the item's final sums (split-K: k-warp 0).
@@ -599,7 +541,7 @@ __device__ __forceinline__ uint32_t b_lane_off(const int row_chunks, const int l
   return (row * row_chunks + (((lane >> 3) ^ row) & 7)) * 16;
 }
 
-// One k-group (4 k-steps) of one warp, shared by v6/v7 and v9: dequantize the A fragments of
+// One k-group (4 k-steps) of one warp, shared by v6 and v9: dequantize the A fragments of
 // its WM m-tiles (codes q, bf16 scales sc: the lane's 16 bytes of each) and multiply them by the
 // NT token n-tiles, read with ldmatrix from a swizzled tile in shared memory at a_s: token row r
 // holds row_chunks 16-byte chunks, chunk kg * 8 + c stored at kg * 8 + (c ^ r % 8). b_off: this
@@ -679,21 +621,18 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
 // gemm_tile computes one work item: tile `tile` (BT positions of one expert) x n-block `xb`
 // (kMTiles m-tiles). Called once per block by the v6 kernel (grid = n-blocks x tiles) and in a
-// loop by the v7 kernel (persistent grid, items from a counter). `trigger`: issue
-// launch_dependents after the main loop (v6). Returns with the block's shared memory still in
-// use by the epilogue of some warps: the caller's __syncthreads separates two items.
-// `e_pre` / `r_pre` (v7's first item): the tile's expert and, for thread i < BT, sorted_route of
-// position i, loaded by the caller together with num_tiles (one round trip instead of three).
-// `pf` (v7): bulk-prefetch the item's weight slab into L2 first.
+// loop by v9's persistent blocks. `trigger`: issue launch_dependents after the main loop (v6).
+// Returns with the block's shared memory still in use by the epilogue of some warps: the
+// caller's __syncthreads separates two items. `e_pre` / `r_pre` (v9, which routes in shared
+// memory): the tile's expert and, for thread i < BT, the route at position i.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
                                           const bool trigger, const int e_pre = -1,
-                                          const int r_pre = -1, const bool pf = false) {
+                                          const int r_pre = -1) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
   const int e = e_pre >= 0 ? e_pre : a.tile_expert[tile];
-  if (pf) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e, xb);  // v7 at decode (thread 0)
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -740,7 +679,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   // The token copies, fixed for the whole K loop: source (stage kt adds kt * BK) and swizzled
   // destination of each row this thread copies; padding rows (no route) are zero-filled in each
   // ring slot's first use only, and then stay zero (their slot offsets never change within a
-  // work item; v7's next item zero-fills again in its first ST stages).
+  // work item; a next item of the same block zero-fills again in its first ST stages).
   constexpr int kRowsPerPass = T / kChunksPerRow;
   const uint16_t* asrc[S::kAPer];
   uint32_t adst[S::kAPer];
@@ -842,63 +781,6 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   if (tile >= *a.num_tiles) return;
   gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
   tl_done(GATED ? 1 : 2);
-}
-
-// v7: persistent grid of (blocks per SM x SMs) blocks over the work items w = tile * nx + xb
-// (the order v6's grid dispatches them). A block's first item is blockIdx.x; the next come from
-// a counter (zeroed by route_kernel) fetched at the start of each item, so its latency hides
-// behind the item. No exiting blocks past num_tiles (v6 launches t_max rows), same dynamic load
-// balance as v6's grid. launch_dependents right after the exit check: the next kernel's blocks
-// take whatever room is left (at decode GEMM2's blocks sit beside GEMM1's and prefetch their
-// weights into L2); they never displace this grid's blocks, which are all dispatched by then.
-// GEMM2 reads num_tiles / tile_expert before griddepcontrol.wait: route_kernel wrote them and
-// finished before any GEMM1 block passed its wait, which precedes GEMM1's trigger (L2 loads).
-template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NW * NK * 32, (GemmShape<BT, WM, NW, NK, KG, ST>::kMinBlocks))
-    moe_gemm_v7_kernel(const GemmArgs a) {
-  __shared__ int s_next;
-  int w = blockIdx.x;
-  int total;
-  // First item: its expert (and GEMM1's route ids) load beside num_tiles; both index arrays hold
-  // t_max tiles and w < t_max * nx, so the loads are in bounds even when the item is not real.
-  int e_pre, r_pre = -1;
-  bool pf, pf_first;  // slab prefetch at the start of each item / of the first one
-  if constexpr (GATED) {
-    static_assert(BT <= NW * NK * 32, "one route id per thread");
-    pdl_wait();
-    const int nt = ld_cg_now(a.num_tiles);
-    e_pre = ld_cg_now(a.tile_expert + w / a.nx);
-    if (threadIdx.x < BT) r_pre = ld_cg_now(a.sorted_route + (w / a.nx) * BT + threadIdx.x);
-    total = nt * a.nx;
-    // The INT_MIN tests never fire on a real item (expert >= 0, route >= -1); they make the exit
-    // wait for the loads, so ptxas cannot sink them below it (one round trip, not two).
-    if (__syncthreads_or(w >= total || e_pre == INT_MIN || r_pre == INT_MIN)) return;
-    pf = nt <= a.self_prefetch_tiles;
-    pf_first = pf;
-    pdl_launch_dependents();
-  } else {
-    const int nt = ld_cg_now(a.num_tiles);
-    e_pre = ld_cg_now(a.tile_expert + w / a.nx);
-    total = nt * a.nx;
-    if (w >= total || e_pre == INT_MIN) return;  // see GEMM1: keeps the loads together
-    const bool early = nt <= a.prefetch_tiles;  // W2 streams in while GEMM1 runs
-    if (early) prefetch_slab<BT, WM, NW, NK, KG, ST>(a, e_pre, w % a.nx);
-    pf = nt <= a.self_prefetch_tiles;
-    pf_first = pf && !early;
-    pdl_wait();
-    pdl_launch_dependents();
-  }
-  int next = 0;
-  if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, e_pre, r_pre, pf_first);
-  for (;;) {
-    if (threadIdx.x == 0) s_next = next;
-    __syncthreads();  // the item's shared memory is free; s_next is visible
-    w = s_next;
-    if (w >= total) break;
-    if (threadIdx.x == 0) next = static_cast<int>(gridDim.x) + atomicAdd(a.work_ctr, 1);
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, w / a.nx, w % a.nx, false, -1, -1, pf);
-  }
 }
 
 // ------------------------------------ v8: warpgroup MMA --------------------------------------
@@ -1442,22 +1324,19 @@ int g1_rows_for(int bt, int path) {
   return 0;
 }
 
-// GEMM path per call: v6 = grid (n-blocks, t_max); v7 = persistent grid over work items (+ L2
-// prefetch at decode); v8 = wgmma (sm_90a warpgroup MMA), grid as v6; v9 = the fused decode
-// kernel (BT 8, calls of at most kDecMaxRoutes routes; v6 for larger BT 8 calls). v6, v7 and v9
-// share their arithmetic (bit-identical outputs); v8 sums K in another order (no split-K).
-// Default by tile size: v8 from BT = kV8MinBt where compiled, else v7 from BT = kV7MinBt (M >=
-// 2048: 1.5-5.5% faster than v6, the ~58k blocks past num_tiles per GEMM gone), v6 below (v7 was
-// 15-25% slower at BT 8-32; v9, an experiment, 4-25 us slower than v6 at M = 1-8; H200 runs in
-// NOTES.md). EXPERTD_KERNEL_PATH=6 / 7 / 8 / 9 forces a path wherever the tile size has it
-// (benchmark A/B, tests of each).
-constexpr int kV7MinBt = 64;
+// GEMM path per call: v6 = mma.sync, grid (n-blocks, t_max); v8 = wgmma (sm_90a warpgroup
+// MMA), grid as v6; v9 = the fused decode kernel (BT 8, calls of at most kDecMaxRoutes routes;
+// v6 for larger BT 8 calls). v6 and v9 share their arithmetic (bit-identical outputs); v8 sums K
+// in another order (no split-K). Default by tile size: v8 from BT = kV8MinBt where compiled, v6
+// below (v9, an experiment, 4-25 us slower than v6 at M = 1-8; H200 runs in NOTES.md).
+// EXPERTD_KERNEL_PATH=6 / 8 / 9 forces a path wherever the tile size has it (benchmark A/B,
+// tests of each); any other value forces nothing.
 constexpr int kV8MinBt = 32;
 int forced_path() {
   const char* v = getenv("EXPERTD_KERNEL_PATH");
   if (!(v && v[0])) return 0;
   const char c = v[0] == 'v' ? v[1] : v[0];
-  return c == '6' ? 6 : c == '8' ? 8 : c == '9' ? 9 : 7;
+  return c == '6' ? 6 : c == '8' ? 8 : c == '9' ? 9 : 0;
 }
 int kernel_path(int bt) {
   const int f = forced_path();
@@ -1465,10 +1344,10 @@ int kernel_path(int bt) {
   const bool dec = bt == kDecBt;
   if (f == 8 && wg) return 8;
   if (f == 9 && dec) return 9;
-  if ((f == 6 || f == 7) && mma) return f;
+  if (f == 6 && mma) return 6;
   // the default (also where a forced path has no configuration for this BT)
   if (wg && (bt >= kV8MinBt || !mma)) return 8;
-  return bt >= kV7MinBt ? 7 : 6;
+  return 6;
 }
 
 Plan make_plan(long long m, int top_k, int h, int el, int bt, int path) {
@@ -1533,7 +1412,6 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 struct Carve {
   unsigned* bar;  // v9's grid-barrier counters: zero with the workspace and after each call
   int* num_tiles;
-  int* work_ctr;
   int* tile_expert;
   int* sorted_route;
   int* pos_of_route;
@@ -1553,7 +1431,6 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   };
   c.bar = reinterpret_cast<unsigned*>(take(2 * sizeof(unsigned)));
   c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
-  c.work_ctr = reinterpret_cast<int*>(take(2 * sizeof(int)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
   c.pos_of_route = reinterpret_cast<int*>(take(sizeof(int) * (m * top_k + 1)));
@@ -1564,49 +1441,9 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
-// v7: when num_tiles <= this, each GEMM block bulk-prefetches its first item's whole weight slab
-// into L2 as it starts (GEMM1: 160 KB in flight per SM instead of its 5-stage ring's 50 KB;
-// GEMM2: before it waits for GEMM1, so W2 streams in during GEMM1). Default 1: one expert's W13
-// and W2 (30 MiB) fit the 50 MB L2; 2 (60 MiB) risks evictions before use, a benchmark variant.
-// 0 = never.
-int prefetch_tiles() {
-  const char* v = getenv("EXPERTD_KERNEL_PREFETCH");
-  return (v && v[0]) ? atoi(v) : 1;
-}
-// v7: every item of both GEMMs bulk-prefetches its own slab as it starts when num_tiles <= this
-// (default 1, with the above: the same single-expert calls; a benchmark variant tries 8, where
-// up to 264 slabs of 160 KB, 42 MB, are in flight at once).
-int self_prefetch_tiles() {
-  const char* v = getenv("EXPERTD_KERNEL_SELF_PREFETCH");
-  return (v && v[0]) ? atoi(v) : 1;
-}
-// v7 experiment (off by default): route_kernel prefetches the hit experts' whole W13 into L2
-// when they fit in this many MiB, for calls of at most kRoutePrefetchRoutes routes (M <= 8 at
-// top_k = 8). All from one SM's copy engine, but ~2 us before GEMM1's blocks start.
-constexpr int kRoutePrefetchRoutes = 64;
-long long route_prefetch_bytes() {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_PREFETCH_MIB");
-  return ((v && v[0]) ? atoll(v) : 0LL) << 20;
-}
-// v7: cap on the persistent grid (blocks), for tests that force many items per block; 0 = none.
-int grid_cap() {
-  const char* v = getenv("EXPERTD_KERNEL_GRID_CAP");
-  return (v && v[0]) ? atoi(v) : 0;
-}
-
-// v7 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs calls of the alternative's BT on it.
+// v6 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs calls of the alternative's BT on it.
 int decode_alt() {
   const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
-  return (v && v[0]) ? atoi(v) : 0;
-}
-
-// v7 experiment (off by default): calls with at most this many routes launch GEMM1 with
-// kSpreadSmem of shared memory, so at most one of its blocks sits on an SM (at M = 1 the 128
-// blocks of the one hit expert on 128 SMs, never two on one). v4 tried this with v6's grid, where
-// the 1024 blocks past num_tiles then queued behind the real ones; v7 launches none of those.
-constexpr int kSpreadSmem = 120 * 1024;
-int spread_routes() {
-  const char* v = getenv("EXPERTD_KERNEL_SPREAD_ROUTES");
   return (v && v[0]) ? atoi(v) : 0;
 }
 
@@ -1626,99 +1463,35 @@ int dec_prefetch_tiles() {
   return (v && v[0]) ? atoi(v) : 2;
 }
 
-// Resident blocks per SM of each v7 GEMM (index BT / 8, then GEMM1 / GEMM2), from
-// cudaOccupancyMaxActiveBlocksPerMultiprocessor at expertd_init; 0 = unknown (grid = all items).
-int g_occ[16][2] = {};  // rows 0-8: BT / 8; 10 + id: decode alternative id
-
-int persistent_blocks(int occ, long long items) {
-  int dev = 0, sms = 0;
-  if (occ <= 0 || cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return static_cast<int>(items);
-  long long b = static_cast<long long>(occ) * sms;
-  if (const int cap = grid_cap()) b = cap < b ? cap : b;
-  return static_cast<int>(b < items ? b : items);
-}
-
-template <int OCC, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2,
-          int K2, int S2>
-int launch_gemms(GemmArgs g1, GemmArgs g2, int t_max, int h, int inter, long long routes,
-                 int path, cudaStream_t stream) {
+template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
+          int S2>
+int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
+                 cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
   const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  if (path == 7) {
-    auto k1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
-    auto k2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
-    const long long items1 = static_cast<long long>(t_max) * nx1;
-    const long long items2 = static_cast<long long>(t_max) * nx2;
-    if (items1 > (1LL << 30) || items2 > (1LL << 30)) return fail(1, "too many tiles: split the call");
-    g1.nx = nx1;
-    g2.nx = nx2;
-    g2.work_ctr = g1.work_ctr + 1;
-    g1.prefetch_tiles = 0;
-    g2.prefetch_tiles = prefetch_tiles();
-    g1.self_prefetch_tiles = g2.self_prefetch_tiles = self_prefetch_tiles();
-    const bool spread = routes <= spread_routes() && Sh1::kSmemBytes < kSpreadSmem;
-    const int occ1 = spread ? 1 : g_occ[OCC][0];
-    const size_t smem1 = spread ? kSpreadSmem : Sh1::kSmemBytes;
-    if (int rc = launch("moe_gemm_v7 (gate/up)", k1, dim3(persistent_blocks(occ1, items1)),
-                        dim3(Sh1::kThreads), smem1, stream, g1))
-      return rc;
-    return launch("moe_gemm_v7 (down)", k2, dim3(persistent_blocks(g_occ[OCC][1], items2)),
-                  dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
-  }
-  {
-    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
-    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
-    // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one
-    // hit expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on
-    // others).
-    if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-    dim3 grid1(nx1, t_max);
-    if (int rc = launch("moe_gemm (gate/up)", k1, grid1, dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                        stream, g1))
-      return rc;
-    dim3 grid2(nx2, t_max);
-    return launch("moe_gemm (down)", k2, grid2, dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
-                  g2);
-  }
-  return 0;
+  // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
+  // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
+  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  if (int rc = launch("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
+                      dim3(nx1, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
+    return rc;
+  return launch("moe_gemm (down)", moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>,
+                dim3(nx2, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
-template <int OCC, bool V6, int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2,
-          int NK2, int K2, int S2>
+template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
+          int S2>
 int set_smem_attrs() {
-  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
-  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
-  auto p1 = moe_gemm_v7_kernel<BT, W1, N1, NK1, K1, S1, true>;
-  auto p2 = moe_gemm_v7_kernel<BT, W2, N2, NK2, K2, S2, false>;
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  if constexpr (V6) {
-    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>;
-    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>;
-    if (cudaFuncSetAttribute(k1, attr, Sh1::kSmemBytes) != cudaSuccess ||
-        cudaFuncSetAttribute(k2, attr, Sh2::kSmemBytes) != cudaSuccess)
-      return check_launch("cudaFuncSetAttribute");
-  }
-  if (cudaFuncSetAttribute(p1, attr, Sh1::kSmemBytes > kSpreadSmem ? Sh1::kSmemBytes
-                                                                    : kSpreadSmem) != cudaSuccess ||
-      cudaFuncSetAttribute(p2, attr, Sh2::kSmemBytes) != cudaSuccess)
+  if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
+                           GemmShape<BT, W1, N1, NK1, K1, S1>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
+                           GemmShape<BT, W2, N2, NK2, K2, S2>::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
-  // Blocks per SM for v7's persistent grid; on failure 0 (v7 then launches one block per item).
-  int o1 = 0, o2 = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o1, p1, Sh1::kThreads, Sh1::kSmemBytes) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o2, p2, Sh2::kThreads, Sh2::kSmemBytes) !=
-          cudaSuccess) {
-    o1 = o2 = 0;
-    cudaGetLastError();
-  }
-  g_occ[OCC][0] = o1;
-  g_occ[OCC][1] = o2;
   return 0;
 }
 
@@ -1840,12 +1613,12 @@ long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int 
 // graph capture).
 int expertd_init(void) {
 #define EXPERTD_INIT(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                              \
-  if (int rc = set_smem_attrs<BT / 8, true, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())   \
+  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())                \
     return rc;
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
 #undef EXPERTD_INIT
 #define EXPERTD_INIT_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                      \
-  if (int rc = set_smem_attrs<10 + ID, true, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>()) \
+  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())                \
     return rc;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
 #undef EXPERTD_INIT_ALT
@@ -1887,8 +1660,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
   if (path == 8 && (a.m * a.h >= (1LL << 31) || static_cast<long long>(p.pcap) * a.inter >= (1LL << 31))) {
-    if (!g1_rows_for(bt, 7)) return fail(1, "call too large for this tile size: split it");
-    path = bt >= kV7MinBt ? 7 : 6;
+    if (!g1_rows_for(bt, 6)) return fail(1, "call too large for this tile size: split it");
+    path = 6;
     p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   }
   // v9 runs calls of at most kDecMaxRoutes routes whose K fits its k-stage; others take v6.
@@ -1902,15 +1675,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int routes = static_cast<int>(a.m * a.top_k);
-  RoutePrefetch pf{};
-  if (path == 7) {
-    pf.codes = static_cast<const uint8_t*>(a.w13_codes);
-    pf.scales = static_cast<const uint8_t*>(a.w13_scales);
-    pf.mt = 2 * a.inter / 16;
-    pf.kg = a.h / 64;
-    pf.budget = route_prefetch_bytes();
-    pf.max_routes = kRoutePrefetchRoutes;
-  }
 
   GemmArgs g1{};
   g1.codes = static_cast<const uint4*>(a.w13_codes);
@@ -1925,7 +1689,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g1.mt = 2 * a.inter / 16;
   g1.top_k = a.top_k;
   g1.pcap = p.pcap;
-  g1.work_ctr = c.work_ctr;
 
   GemmArgs g2{};
   g2.codes = static_cast<const uint4*>(a.w2_codes);
@@ -1966,18 +1729,16 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                      dim3(DecShape::kThreads), DecShape::kSmemBytes, stream, d);
   }
 
-  // route_kernel<true> only with the (experimental) W13 prefetch on: <false> is v6's kernel.
-  if (int rc = launch("route_kernel", pf.budget > 0 ? route_kernel<true> : route_kernel<false>,
-                      dim3(1), dim3(kRouteThreads),
+  if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
                       sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
                       a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
-                      c.num_tiles, c.work_ctr, pf))
+                      c.num_tiles))
     return rc;
 
   int rc = 0;
-  int alt = (path == 6 || path == 7) ? decode_alt() : 0;
+  int alt = path == 6 ? decode_alt() : 0;
 #define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 7))) alt = 0;
+  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 6))) alt = 0;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
 #undef EXPERTD_ALT_MATCH
   bool launched = false;
@@ -2005,16 +1766,16 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
   if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
-    rc = launch_gemms<BT / 8, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                 \
-        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, path, stream);                        \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h,     \
+                                                                   a.inter, stream);        \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
 #define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
-    rc = launch_gemms<10 + ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                \
-        g1, g2, p.t_max, a.h, a.inter, a.m * a.top_k, path, stream);                        \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h,     \
+                                                                   a.inter, stream);        \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
