@@ -177,7 +177,8 @@ def main() -> int:
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
     ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
-    ap.add_argument("--dec-alt-max", type=int, default=8, help="time the v6/v9 decode variants")
+    ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
+    ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -265,8 +266,13 @@ def main() -> int:
             variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
             variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}
             variants["v9_b264"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "264"}
-        if m <= args.dec_alt_max:  # v6 with split-K over 8 warps (decode alternative 6)
-            variants["v6_alt6"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "6"}
+        if m <= args.dec_alt_max:  # v6 decode alternatives (moe_nvfp4.cu: 6 split-K over 8
+            for alt in args.dec_alts.split(","):  # warps, 7 and 9: 2 k-groups per warp per stage)
+                if alt:
+                    variants[f"v6_alt{alt}"] = {
+                        "EXPERTD_KERNEL_PATH": "6",
+                        "EXPERTD_KERNEL_DECODE_ALT": alt,
+                    }
         if m <= args.alt_max:  # v6 decode alternatives 1, 2 (BT = 8 calls; moe_nvfp4.cu)
             variants["v6_alt1"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "1"}
             variants["v6_alt2"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "2"}
@@ -285,14 +291,22 @@ def main() -> int:
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
-                if kernel_path(pick_bt(m, TOP_K, E)) != 8:  # v8 sums in another order
+                # v8 sums in another order, and so does decode alternative 6, the default of
+                # calls of <= 16 routes (a forced path runs alternative 7 there: moe_nvfp4.cu)
+                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and m * TOP_K > 16:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in ("v6_alt2", "v6_alt6") or vname.startswith("v8"):
+            elif vname in (
+                "v6_alt2",
+                "v6_alt6",
+                "v6_alt9",
+                "v6_alt11",
+                "v6_alt13",
+            ) or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v9 and v6_alt1 must reproduce v6 bit for bit
+            else:  # same arithmetic: v9, v6_alt0/1/7 must reproduce v6 (BT 8: alt 7) bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
         # The default again after the variants: identical graphs time 3-10% apart within one run

@@ -18,7 +18,9 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
                             v8 (wgmma) from BT 32, v6 below; 9: the fused decode kernel, BT 8
                             calls of <= 64 routes, an experiment)
     EXPERTD_KERNEL_WG_ALT   v8 experiment: configuration alternative id (moe_nvfp4.cu; 0)
-    EXPERTD_KERNEL_DECODE_ALT          v6 experiment: config alternative id (moe_nvfp4.cu; 0)
+    EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
+                                       6 / 7 for BT 8 calls of <= 16 routes / more where H and
+                                       I are multiples of 512; 0: the table's configuration
     EXPERTD_KERNEL_DEC_BLOCKS          v9: at most this many blocks (>= 64; default: all that fit)
     EXPERTD_KERNEL_DEC_PREFETCH        v9: W2 to L2 at the start when num_tiles <= this (2; 0 off)
 

@@ -80,6 +80,7 @@ def load_library() -> ctypes.CDLL:
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
             lib.expertd_set_timeline.restype = ctypes.c_int
             lib.expertd_set_timeline.argtypes = [ctypes.c_void_p]
+            lib.expertd_timeline_words.restype = ctypes.c_int
             _LIB = lib
         return _LIB
 
@@ -93,11 +94,19 @@ def kernel_path(bt: int = 0) -> int:
     return int(load_library().expertd_kernel_path(bt))
 
 
+def timeline_words() -> int:
+    """The size (int64 words) of the buffer set_timeline takes: a record of 5 words per block
+    (4 event times and the SM) for up to 131072 blocks per kernel, 4 kernels."""
+    return int(load_library().expertd_timeline_words())
+
+
 def set_timeline(buf: torch.Tensor | None) -> None:
-    """Point the kernels' timeline marks at `buf` (int64 [32] on the GPU; see
+    """Point the kernels' timeline marks at `buf` (int64 [timeline_words()] on the GPU; see
     benchmarks/timeline.py) or turn them off (None). Needs the library built with
     EXPERTD_KERNEL_TIMELINE=1 (set before the first use of the library)."""
     lib = load_library()
+    if buf is not None and buf.numel() < timeline_words():
+        raise ValueError(f"timeline buffer has {buf.numel()} words, needs {timeline_words()}")
     _check(lib, lib.expertd_set_timeline(None if buf is None else buf.data_ptr()), "timeline")
 
 

@@ -202,25 +202,37 @@ def test_v9_bit_identical_to_v6(case, backend, monkeypatch, m, top_k, blocks, pr
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} top_k={top_k} v9")
 
 
-@pytest.mark.parametrize("path_", ["6"])
-def test_decode_alternative_6(case, backend, monkeypatch, path_):
-    """Decode alternative 6 (split-K over 8 warps, 512-k stages) on v6: float64-close
-    (another fp32 sum order); presets whose H or I is not a multiple of 512 get a clear error."""
+# Decode alternatives (moe_nvfp4.cu): id -> (k per stage, the alternative whose bits it must
+# reproduce: 7 sums the k-groups of each warp in the table's order). 6 and 7 are the defaults of
+# BT 8 calls (<= 16 routes / more) where H and I are multiples of 512.
+DECODE_ALTS = {6: (512, None), 7: (512, 0), 11: (512, None)}
+
+
+@pytest.mark.parametrize("alt", sorted(DECODE_ALTS))
+def test_decode_alternative(case, backend, monkeypatch, alt):
+    """v6 decode alternatives: float64-close (6: another fp32 sum order), bit-identical to the
+    configuration they share their sum order with; presets whose H or I is not a multiple of
+    the alternative's k-stage get a clear error."""
     preset, layer, state = case
+    bk, same_as = DECODE_ALTS[alt]
     m = 5
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=91)
     ids[:, 0] = int(layer.experts[0])  # local routes: muse-spark's shard owns 4 of 256 experts
     ids[1:3, 1] = int(layer.experts[-1])
     x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(92))
     x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", path_)
-    monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", "6")
-    if preset.hidden_size % 512 or preset.intermediate_size % 512:
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
+    monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", str(alt))
+    if preset.hidden_size % bk or preset.intermediate_size % bk:
         with pytest.raises(RuntimeError, match="multiples of the GEMMs' k-stage"):
             _run(backend, state, x, ids, w, bt=8)
         return
     got = _run(backend, state, x, ids, w, bt=8)
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} v{path_} decode alt 6")
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} v6 decode alt {alt}")
+    if same_as is not None:
+        monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", str(same_as))
+        want = _run(backend, state, x, ids, w, bt=8)
+        assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
 
 
 def test_v9_graph_replays(case, backend, monkeypatch):

@@ -83,6 +83,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //   64 |                  2  4  1  2  3 |               2  4  1  2  3 | WM = 2: one ldmatrix of B
 //      |                                |                             |   feeds 4 MMAs; 3 stages so
 //      |                                |                             |   3 blocks fit per SM
+// BT 8 calls run decode alternative 6 or 7 (below) instead of this row where H and I are
+// multiples of 512; the row stays the fallback and the fused decode kernel's (v9) twin.
 // Tried and dropped: BT = 128 with WM = 1 (2 MMAs per ldmatrix: slower than BT = 64 above at
 // every M) and with WM = 2 (255 registers, spills).
 // KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
@@ -153,13 +155,28 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   per SM at M = 1. On v6 (H200,
 //      |    |                      |                      |   NOTES.md): 5% faster at M = 1-2, 3-4%
 //      |    |                      |                      |   slower from M = 4
+//    7 |  8 |        1  4  4  8  3 |        1  2  4  8  3 | 2 k-groups per warp per stage (BK 512):
+//      |    |                      |                      |   the per-stage overhead (ring slot,
+//      |    |                      |                      |   copies, barrier: ~45 of the 113
+//      |    |                      |                      |   instructions of a v6 BT 8 stage,
+//      |    |                      |                      |   SASS) paid once per 2 k-groups; the
+//      |    |                      |                      |   same sum order as the table's BT 8
+//   11 |  8 |        1  4  2  8  3 |        1  2  2  8  3 | 4 k-groups per warp per stage (8 warps)
+// Picked by default (decode_alt_for; H200, NOTES.md, session 4): 6 for BT 8 calls of <= 16
+// routes (M <= 2 at top-8: 3-6% faster than the table), 7 for the other BT 8 calls (3-10%
+// faster from M = 4 to 64, bit-identical to the table); the table's BT 8 row where H or I is
+// not a multiple of 512, or EXPERTD_KERNEL_DECODE_ALT=0.
+// Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
+// from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
 // Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
 // in flight): 3-25% slower; 32-warp GEMM1 blocks with split-K 8: 1-24% slower.
 #define EXPERTD_FOR_EACH_DECODE_ALT(X) \
   X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)  \
   X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)  \
   X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3) \
-  X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)
+  X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)  \
+  X(7, 8, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)  \
+  X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -244,17 +261,26 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Timeline instrumentation (benchmarks/timeline.py; only in the library built with
 // -DEXPERTD_TIMELINE, see kernels/build.py: elsewhere the marks compile to nothing). Kernel k of
 // a call (0 route, 1 GEMM1, 2 GEMM2, 3 finalize), event ev (0 block entry, 1 after its
-// griddepcontrol.wait, 2 main loop done, 3 block done): thread 0 of every block folds %globaltimer
-// (ns) into g_timeline[(k * 4 + ev) * 2 + 0 / 1] = min / max over the blocks.
+// griddepcontrol.wait, 2 main loop done, 3 block done): thread 0 of every block with linear id
+// b < kTlBlocks writes %globaltimer (ns) to g_timeline[(k * kTlBlocks + b) * 5 + ev] and its SM
+// to word 4 of the same record (expertd_timeline_words: the buffer size). Plain stores to
+// distinct words: a first version also folded min / max with atomics on 16 shared words, and
+// those serialized the ~5000 blocks of an M = 8 call into +40% time.
+constexpr int kTlBlocks = 131072;
 #ifdef EXPERTD_TIMELINE
 __device__ unsigned long long* g_timeline = nullptr;
 __device__ __forceinline__ void tl_mark(int k, int ev) {
   unsigned long long* t = g_timeline;
   if (t == nullptr || threadIdx.x != 0) return;
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (b >= kTlBlocks) return;
   unsigned long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  atomicMin(t + (k * 4 + ev) * 2, now);
-  atomicMax(t + (k * 4 + ev) * 2 + 1, now);
+  unsigned long long* rec = t + (static_cast<unsigned long long>(k) * kTlBlocks + b) * 5;
+  rec[ev] = now;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  rec[4] = sm;
 }
 // Block done: after every thread's work (a barrier: call from all threads, in uniform code).
 __device__ __forceinline__ void tl_done(int k) {
@@ -1444,7 +1470,18 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
 // v6 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs calls of the alternative's BT on it.
 int decode_alt() {
   const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
-  return (v && v[0]) ? atoi(v) : 0;
+  return (v && v[0]) ? atoi(v) : -1;
+}
+// The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
+// where set; else, for BT 8 calls where H and I are multiples of 512 (the alternatives' k-stage),
+// 6 for calls of <= 16 routes unless a path is forced (v9's tests compare it with the table's
+// arithmetic, which 7 keeps), 7 for the rest. See the alternatives' table for the measurements.
+constexpr long long kSplitK8MaxRoutes = 16;
+int decode_alt_for(int bt, long long routes, int h, int inter) {
+  const int forced = decode_alt();
+  if (forced >= 0) return forced;
+  if (bt != 8 || h % 512 || inter % 512) return 0;
+  return routes <= kSplitK8MaxRoutes && forced_path() == 0 ? 6 : 7;
 }
 
 // v9: blocks of the fused decode kernel (all resident: blocks per SM x SMs, from the occupancy
@@ -1562,8 +1599,10 @@ struct ExpertdMoeArgs {
 
 const char* expertd_last_error(void) { return g_error; }
 
-// benchmarks/timeline.py: point the kernels' timeline marks at a device buffer of 32 uint64
-// (nullptr: off). Returns 1 (and an error message) in a library built without EXPERTD_TIMELINE.
+// benchmarks/timeline.py: point the kernels' timeline marks at a device buffer of
+// expertd_timeline_words() uint64 (nullptr: off). Returns 1 (and an error message) in a library
+// built without EXPERTD_TIMELINE.
+int expertd_timeline_words(void) { return 4 * kTlBlocks * 5; }
 int expertd_set_timeline(void* buf) {
 #ifdef EXPERTD_TIMELINE
   unsigned long long* p = static_cast<unsigned long long*>(buf);
@@ -1576,7 +1615,7 @@ int expertd_set_timeline(void* buf) {
 #endif
 }
 
-// The GEMM path (6, 7, 8 or 9) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
+// The GEMM path (6, 8 or 9) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
 // one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
 int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
@@ -1736,7 +1775,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return rc;
 
   int rc = 0;
-  int alt = path == 6 ? decode_alt() : 0;
+  int alt = path == 6 ? decode_alt_for(bt, routes, a.h, a.inter) : 0;
 #define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
   if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 6))) alt = 0;
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
