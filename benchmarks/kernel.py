@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -69,11 +70,24 @@ def routes(m: int, gen: torch.Generator):
     return ids.to(torch.int32), (w / w.sum(dim=1, keepdim=True)).float()
 
 
-def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
-    """Median seconds per call over `reps` runs of `calls` back-to-back calls."""
+def warm_up(fn, n_sets: int, seconds: float = 0.1) -> None:
+    """Every input set once, then calls until `seconds` have passed (at large M the first runs
+    after a capture timed 5-10% slow: clocks and caches settle over ~100 ms of work)."""
     for s in range(n_sets):
         fn(s)
     torch.cuda.synchronize()
+    t0, c = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        fn(c % n_sets)
+        c += 1
+        if c % n_sets == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
+    """Median seconds per call over `reps` runs of `calls` back-to-back calls, after warm-up."""
+    warm_up(fn, n_sets)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,6 +98,25 @@ def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
+
+
+def time_paired(fa, fb, n_sets: int, calls: int, reps: int) -> tuple[float, float, float]:
+    """A and B timed in alternating runs of `calls` calls (A first in even reps, B first in odd):
+    (median s per call of A, of B, median over reps of B / A). Identical graphs drift 3-10%
+    apart within a run when timed minutes apart; paired runs seconds apart cancel the drift."""
+    warm_up(lambda s: (fa(s), fb(s)), n_sets)
+    ta, tb = [], []
+    for rep in range(reps):
+        for fn, out in ((fa, ta), (fb, tb)) if rep % 2 == 0 else ((fb, tb), (fa, ta)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for c in range(calls):
+                fn(c % n_sets)
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3 / calls)
+    ratio = statistics.median(b / a for a, b in zip(ta, tb, strict=True))
+    return statistics.median(ta), statistics.median(tb), ratio
 
 
 def _best_alt(path_us: dict) -> str:
@@ -179,6 +212,8 @@ def main() -> int:
     ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
     ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
     ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
+    ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
+    ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
     ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -260,6 +295,12 @@ def main() -> int:
         if m <= args.path_ab_max:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
+            if pick_bt(m, TOP_K, E) >= 32:  # v8 with / without the mbarrier ring
+                ring = "0" if pick_bt(m, TOP_K, E) >= 96 else "1"  # the default's opposite
+                variants["v8ring" + ring] = {
+                    "EXPERTD_KERNEL_PATH": "8",
+                    "EXPERTD_KERNEL_WG_RING": ring,
+                }
             if pick_bt(m, TOP_K, E) == 8:  # v9 has BT 8 only (v6 past 64 routes)
                 variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
         if m <= args.dec_alt_max and args.v9_variants:  # v9 without the W2 prefetch, fewer blocks
@@ -273,6 +314,10 @@ def main() -> int:
                         "EXPERTD_KERNEL_PATH": "6",
                         "EXPERTD_KERNEL_DECODE_ALT": alt,
                     }
+        if m <= args.rows_max:  # v6 grids capped at R rows (blocks loop over tiles)
+            for r in args.grid_rows.split(","):
+                if r:
+                    variants[f"rows{r}"] = {"EXPERTD_KERNEL_GRID_ROWS": r}
         if m <= args.alt_max:  # v6 decode alternatives 1, 2 (BT = 8 calls; moe_nvfp4.cu)
             variants["v6_alt1"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "1"}
             variants["v6_alt2"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "2"}
@@ -287,23 +332,27 @@ def main() -> int:
         v6_out = None
         for vname, env in variants.items():
             vg = [graphed(backend, state, m, inputs, env=env) for inputs in sets]
-            path_us[vname] = time_calls(lambda s, vg=vg: vg[s].replay(), n_sets, calls, reps) * 1e6
+            _, t_v, ratio = time_paired(
+                lambda s, graphs=graphs: graphs[s].replay(),
+                lambda s, vg=vg: vg[s].replay(),
+                n_sets,
+                calls,
+                reps,
+            )
+            path_us[vname] = t_v * 1e6
+            path_us[vname + "_vs_default"] = ratio
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
-                # v8 sums in another order, and so does decode alternative 6, the default of
-                # calls of <= 16 routes (a forced path runs alternative 7 there: moe_nvfp4.cu)
-                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and m * TOP_K > 16:
+                # v8 sums in another order, and so do decode alternatives 6 and 11, the defaults
+                # of calls of <= 16 / >= 256 routes (a forced path runs 7: moe_nvfp4.cu)
+                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and 16 < m * TOP_K < 256:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
+            elif vname.startswith("rows"):  # the default's arithmetic on a capped grid
+                path_us[vname + "_equal_default"] = bool(torch.equal(out0, graphs[0].replay()))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in (
-                "v6_alt2",
-                "v6_alt6",
-                "v6_alt9",
-                "v6_alt11",
-                "v6_alt13",
-            ) or vname.startswith("v8"):
+            elif vname in ("v6_alt2", "v6_alt6", "v6_alt11") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             else:  # same arithmetic: v9, v6_alt0/1/7 must reproduce v6 (BT 8: alt 7) bit for bit
@@ -444,6 +493,18 @@ def main() -> int:
                 for r in again
             )
         )
+    paired = [r for r in rows if any(k.endswith("_vs_default") for k in r["path_us"])]
+    if paired:
+        print("variant / default, timed in alternating runs (median ratio; < 1: variant faster):")
+        for r in paired:
+            print(
+                f"  M={r['M']}: "
+                + ", ".join(
+                    f"{k[: -len('_vs_default')]} {v:.3f}"
+                    for k, v in r["path_us"].items()
+                    if k.endswith("_vs_default")
+                )
+            )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
     print("v9, v6_alt1 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
     print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")

@@ -1,6 +1,8 @@
 """A small forward for compute-sanitizer (memcheck / racecheck / initcheck): preset `small`, a
-shard of 16 experts, a few token counts and every compiled tile size. Exits non-zero on a wrong
-result. Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
+shard of 16 experts, a few token counts and every compiled tile size; then a layer whose H and I
+are multiples of 512, where BT 8 calls run the decode alternatives (6 at M = 1, on a grid of 2
+rows; 7; 11 from 256 routes). Exits non-zero on a wrong result.
+Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
 
 from __future__ import annotations
 
@@ -10,19 +12,29 @@ import torch
 
 from expertd.kernels.cuda import CudaBackend
 from expertd.kernels.reference import reference_forward, relative_error
-from expertd.server.synthetic import PRESETS, synthetic_layer
+from expertd.server.synthetic import PRESETS, Preset, synthetic_layer
 
 
 def main() -> int:
-    preset = PRESETS["small"]
-    layer = synthetic_layer(preset, seed=3, layer=0, experts=list(range(16, 32)), device="cpu")
-    layer_gpu = layer.to("cuda")
-    backend = CudaBackend("cuda")
-    state = backend.prepare(layer_gpu)
-    gen = torch.Generator().manual_seed(0)
     worst = 0.0
+    gen = torch.Generator().manual_seed(0)
     cases = ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64), (150, 96))
-    for m, bt in (*cases, (260, 128), (700, 0)):  # BT 32 and up: v8 (wgmma); 700: BT 128
+    runs = (
+        (PRESETS["small"], (*cases, (260, 128), (700, 0))),  # BT 32 up: v8; 700: BT 128
+        (Preset("k512", 512, 512, 64, 8), ((1, 0), (5, 8), (40, 8))),  # decode alternatives
+    )
+    backend = CudaBackend("cuda")
+    for preset, ms in runs:
+        worst = max(worst, run(backend, preset, ms, gen))
+    print(f"worst rel err {worst:.2e}")
+    return 0 if worst <= 1e-2 else 1
+
+
+def run(backend, preset, cases, gen) -> float:
+    layer = synthetic_layer(preset, seed=3, layer=0, experts=list(range(16, 32)), device="cpu")
+    state = backend.prepare(layer.to("cuda"))
+    worst = 0.0
+    for m, bt in cases:
         ids = torch.stack([torch.randperm(preset.num_experts, generator=gen)[:8] for _ in range(m)])
         ids = ids.to(torch.int32)
         ids[0, 0] = -1
@@ -33,9 +45,8 @@ def main() -> int:
         torch.cuda.synchronize()
         err = relative_error(out.cpu(), reference_forward(layer, x, ids, w))
         worst = max(worst, err if out.isfinite().all() else float("inf"))
-        print(f"M={m} bt={bt}: rel err {err:.2e}")
-    print(f"worst rel err {worst:.2e}")
-    return 0 if worst <= 1e-2 else 1
+        print(f"{preset.name} M={m} bt={bt}: rel err {err:.2e}")
+    return worst
 
 
 if __name__ == "__main__":

@@ -202,19 +202,19 @@ def test_v9_bit_identical_to_v6(case, backend, monkeypatch, m, top_k, blocks, pr
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} top_k={top_k} v9")
 
 
-# Decode alternatives (moe_nvfp4.cu): id -> (k per stage, the alternative whose bits it must
-# reproduce: 7 sums the k-groups of each warp in the table's order). 6 and 7 are the defaults of
-# BT 8 calls (<= 16 routes / more) where H and I are multiples of 512.
-DECODE_ALTS = {6: (512, None), 7: (512, 0), 11: (512, None)}
+# Decode alternatives (moe_nvfp4.cu): id -> (tile size, k per stage, the alternative whose bits
+# it must reproduce: 7 and 12 sum the k-groups of each warp in the table's order). The defaults
+# where H and I are multiples of 512: 6 / 7 for BT 8 calls (<= 16 routes / more), 12 for BT 16.
+DECODE_ALTS = {6: (8, 512, None), 7: (8, 512, 0), 11: (8, 512, None), 12: (16, 512, 0)}
 
 
 @pytest.mark.parametrize("alt", sorted(DECODE_ALTS))
 def test_decode_alternative(case, backend, monkeypatch, alt):
-    """v6 decode alternatives: float64-close (6: another fp32 sum order), bit-identical to the
-    configuration they share their sum order with; presets whose H or I is not a multiple of
-    the alternative's k-stage get a clear error."""
+    """v6 decode alternatives: float64-close (6, 11: another fp32 sum order), bit-identical to
+    the configuration they share their sum order with; presets whose H or I is not a multiple
+    of the alternative's k-stage get a clear error."""
     preset, layer, state = case
-    bk, same_as = DECODE_ALTS[alt]
+    bt, bk, same_as = DECODE_ALTS[alt]
     m = 5
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=91)
     ids[:, 0] = int(layer.experts[0])  # local routes: muse-spark's shard owns 4 of 256 experts
@@ -225,14 +225,51 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
     monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", str(alt))
     if preset.hidden_size % bk or preset.intermediate_size % bk:
         with pytest.raises(RuntimeError, match="multiples of the GEMMs' k-stage"):
-            _run(backend, state, x, ids, w, bt=8)
+            _run(backend, state, x, ids, w, bt=bt)
         return
-    got = _run(backend, state, x, ids, w, bt=8)
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} v6 decode alt {alt}")
+    got = _run(backend, state, x, ids, w, bt=bt)
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} v6 BT {bt} alt {alt}")
     if same_as is not None:
         monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", str(same_as))
-        want = _run(backend, state, x, ids, w, bt=8)
+        want = _run(backend, state, x, ids, w, bt=bt)
         assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
+
+
+@pytest.mark.parametrize("bt", [32, 48, 64, 96, 128])
+def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
+    """v8 with the mbarrier ring (no block barrier per stage; the default from BT 96) computes
+    the block-barrier ring's sums: the same bits, at every tile size, tiles of several widths."""
+    preset, layer, state = case
+    m = 150
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt)
+    ids[: m // 2, 0] = int(layer.experts[0])  # one busy expert: full and partial tiles
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 1))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "0")
+    want = _run(backend, state, x, ids, w, bt=bt)
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "1")
+    for _ in range(3):
+        got = _run(backend, state, x, ids, w, bt=bt)
+        assert torch.equal(got, want), f"{preset.name} BT {bt}: the ring differs from v8"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
+    """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; 2 by default at <= 8
+    routes: blocks loop over tiles) compute the same bits as one row per possible tile."""
+    preset, layer, state = case
+    for m, bt in ((1, 8), (3, 8), (40, 8), (40, 24)):
+        ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + bt)
+        ids[: m // 2, 0] = int(layer.experts[0])  # several tiles, one expert with a few
+        x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m))
+        x = x.to(torch.bfloat16).cuda()
+        monkeypatch.setenv("EXPERTD_KERNEL_GRID_ROWS", "0")  # one row per possible tile
+        want = _run(backend, state, x, ids, w, bt=bt)
+        monkeypatch.setenv("EXPERTD_KERNEL_GRID_ROWS", str(rows))
+        got = _run(backend, state, x, ids, w, bt=bt)
+        assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: {rows} grid rows differ"
 
 
 def test_v9_graph_replays(case, backend, monkeypatch):

@@ -162,10 +162,12 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   SASS) paid once per 2 k-groups; the
 //      |    |                      |                      |   same sum order as the table's BT 8
 //   11 |  8 |        1  4  2  8  3 |        1  2  2  8  3 | 4 k-groups per warp per stage (8 warps)
+//   12 | 16 |        1  4  4  8  3 |        1  2  4  8  3 | alt 7 at BT 16 (108 KB: 2 blocks per SM)
 // Picked by default (decode_alt_for; H200, NOTES.md, session 4): 6 for BT 8 calls of <= 16
-// routes (M <= 2 at top-8: 3-6% faster than the table), 7 for the other BT 8 calls (3-10%
-// faster from M = 4 to 64, bit-identical to the table); the table's BT 8 row where H or I is
-// not a multiple of 512, or EXPERTD_KERNEL_DECODE_ALT=0.
+// routes (M <= 2 at top-8: 3-6% faster than the table), 11 from 256 routes (M >= 32: 2-3% ahead
+// of 7, timed in alternating runs), 7 for the BT 8 calls between (3-10% faster than the table
+// from M = 4, bit-identical to it); the table's BT 8 row where H or I is not a multiple of 512,
+// or EXPERTD_KERNEL_DECODE_ALT=0.
 // Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
 // from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
 // Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
@@ -176,7 +178,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3) \
   X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)  \
   X(7, 8, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)  \
-  X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)
+  X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)  \
+  X(12, 16, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -809,6 +812,22 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   tl_done(GATED ? 1 : 2);
 }
 
+// v6 on a grid of fewer rows than t_max (grid_rows): each block loops over tiles y, y + rows, ...
+// A kernel of its own: the loop raised ptxas's register use of the split-K 8 instances from 40
+// to 88 (one block per SM by registers), and the full grid must not pay for it.
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
+__global__ void __launch_bounds__(NW * NK * 32, 2) moe_gemm_loop_kernel(const GemmArgs a) {
+  tl_mark(GATED ? 1 : 2, 0);
+  pdl_wait();
+  tl_mark(GATED ? 1 : 2, 1);
+  const int num_tiles = *a.num_tiles;
+  for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
+    if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+  }
+  if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
+}
+
 // ------------------------------------ v8: warpgroup MMA --------------------------------------
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -915,6 +934,32 @@ __device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
   wgmma_commit();
 }
 
+// mbarrier helpers (v8 with RING = true). A phase completes after `count` arrivals; a waiter
+// passes the parity of the phase it waits for.
+__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t addr) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(addr),
+      "r"(parity)
+      : "memory");
+}
+// One arrival on the mbarrier once all of this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma's shared operand).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // One work item (tile x n-block) with wgmma width N <= BT: the tile's first N rows (its valid
 // routes rounded up to 16; the rest is padding whose accumulators stay 0). Warp w owns m-tiles
 // mt0 + w WM + j for all of K. Per stage each warp dequantizes its A fragments into registers,
@@ -924,7 +969,12 @@ __device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N>
+// RING (default from BT 96: wg_ring; EXPERTD_KERNEL_WG_RING=0/1): no block barrier per stage. Each ring
+// slot has a "full" mbarrier (every thread arrives through cp.async.mbarrier.arrive once its
+// copies of the slot's stage landed) and an "empty" one (each warp arrives once its wgmmas of
+// the slot finished); a warp refills the slot of stage kt - 1 only after every warp is done with
+// it, after computing stage kt itself. Same copies, dequantization and wgmmas: v8's bits.
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, bool RING>
 __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
                                         const int e, const int (&row_off)[BT],
                                         float (&red)[NWG * 4][BT], uint8_t* smem_raw) {
@@ -999,26 +1049,61 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   uint32_t af[WM][4 * KG][4];
   const uint64_t desc_base = smem_desc_sw128(smem0);
 
+  if constexpr (RING) {
+    __shared__ __align__(8) unsigned long long bars[2 * ST];  // full[ST], then empty[ST]
+    const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * ST;
+    if (tid == 0)
+      for (int s = 0; s < ST; ++s) {
+        mbar_init(full0 + 8 * s, T);
+        mbar_init(empty0 + 8 * s, S::kWarps);
+      }
+    __syncthreads();
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    if (s < kt_count) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < kt_count; ++kt) {
-    cp_async_wait<ST - 2>();
-    __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
-    {
-      const int next = kt + ST - 1;
-      if (next < kt_count) load_stage(next % ST, next);
+    for (int s = 0; s < ST - 1; ++s)
+      if (s < kt_count) {
+        load_stage(s, s);
+        cp_async_mbar_arrive(full0 + 8 * s);
+      }
+    for (int kt = 0; kt < kt_count; ++kt) {
+      const int slot = kt % ST;
+      mbar_wait(full0 + 8 * slot, (kt / ST) & 1);  // every thread's copies of stage kt landed
+      fence_proxy_async();
+      const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
+      dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
+      issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
+      wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * slot);
+      const int next = kt + ST - 1;  // into the slot of stage kt - 1, once all warps left it
+      if (next < kt_count) {
+        const int ns = next % ST;
+        if (kt >= 1) mbar_wait(empty0 + 8 * ns, ((kt - 1) / ST) & 1);
+        load_stage(ns, next);
+        cp_async_mbar_arrive(full0 + 8 * ns);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+      if (s < kt_count) load_stage(s, s);
       cp_async_commit();
     }
-    const int slot = kt % ST;
-    const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
-    dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
-    issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
-    wgmma_wait<0>();  // this stage's slot and the A registers are free again
+    for (int kt = 0; kt < kt_count; ++kt) {
+      cp_async_wait<ST - 2>();
+      __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
+      {
+        const int next = kt + ST - 1;
+        if (next < kt_count) load_stage(next % ST, next);
+        cp_async_commit();
+      }
+      const int slot = kt % ST;
+      const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
+      dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
+      issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
+      wgmma_wait<0>();  // this stage's slot and the A registers are free again
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
   tl_mark(GATED ? 1 : 2, 2);
   pdl_launch_dependents();
   gemm_epilogue<BT, WM, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[WM][NT][4]>(acc),
@@ -1027,26 +1112,26 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 
 // The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, from
 // BT >= 64 (where MMAs on padding cost time: compute-bound calls); BT below that always runs N = BT.
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED,
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, bool RING,
           int N = (BT >= 64 ? 16 : BT)>
 __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, const int xb,
                                             const int e, const int rows,
                                             const int (&row_off)[BT], float (&red)[NWG * 4][BT],
                                             uint8_t* smem_raw) {
   if constexpr (N >= BT) {
-    v8_tile<BT, NWG, WM, KG, ST, MB, GATED, BT>(a, tile, xb, e, row_off, red, smem_raw);
+    v8_tile<BT, NWG, WM, KG, ST, MB, GATED, BT, RING>(a, tile, xb, e, row_off, red, smem_raw);
   } else {
     if (rows <= N)
-      v8_tile<BT, NWG, WM, KG, ST, MB, GATED, N>(a, tile, xb, e, row_off, red, smem_raw);
+      v8_tile<BT, NWG, WM, KG, ST, MB, GATED, N, RING>(a, tile, xb, e, row_off, red, smem_raw);
     else
-      v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, N + 16>(a, tile, xb, e, rows, row_off, red,
-                                                           smem_raw);
+      v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING, N + 16>(a, tile, xb, e, rows, row_off,
+                                                                 red, smem_raw);
   }
 }
 
 // v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
 // prefix of its positions (route_kernel fills each expert's run in order).
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED>
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, bool RING = false>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
   tl_mark(GATED ? 1 : 2, 0);
@@ -1069,8 +1154,8 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
       row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
   }
   const int rows = __syncthreads_count(valid);
-  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED>(a, tile, blockIdx.x, e, rows, row_off, red,
-                                              smem_raw);
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, rows, row_off, red,
+                                                    smem_raw);
   tl_done(GATED ? 1 : 2);
 }
 
@@ -1308,6 +1393,17 @@ struct Plan {
   int g1_rows;  // weight rows per GEMM1 block
 };
 
+// v8 with the mbarrier ring (v8_tile, RING; bit-identical) for a call of tile size bt:
+// EXPERTD_KERNEL_WG_RING=1 / 0 forces it on / off; by default from BT 96 (H200, session 4, timed
+// in alternating runs against the block-barrier ring: M = 2048-16384 (BT 96 / 128) 3-9% faster,
+// M = 128-512 (BT 32) equal, M = 1024 (BT 48) 4% slower).
+constexpr int kRingMinBt = 96;
+bool wg_ring(int bt) {
+  const char* v = getenv("EXPERTD_KERNEL_WG_RING");
+  if (v && v[0]) return v[0] == '1';
+  return bt >= kRingMinBt;
+}
+
 // v8 experiment: EXPERTD_KERNEL_WG_ALT=id runs calls of the alternative's BT on it.
 int wg_alt() {
   const char* v = getenv("EXPERTD_KERNEL_WG_ALT");
@@ -1473,15 +1569,20 @@ int decode_alt() {
   return (v && v[0]) ? atoi(v) : -1;
 }
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
-// where set; else, for BT 8 calls where H and I are multiples of 512 (the alternatives' k-stage),
-// 6 for calls of <= 16 routes unless a path is forced (v9's tests compare it with the table's
-// arithmetic, which 7 keeps), 7 for the rest. See the alternatives' table for the measurements.
+// where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
+// calls 6 at <= 16 routes, 11 from 256 routes, 7 between, and 7 whenever a path is forced (v9's
+// tests compare v6 with its arithmetic, which 7 keeps); 12 for BT 16 (alt 7's shape;
+// bit-identical to the table's BT 16). See the alternatives' table for the measurements.
 constexpr long long kSplitK8MaxRoutes = 16;
+constexpr long long kNk2MinRoutes = 256;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
   const int forced = decode_alt();
   if (forced >= 0) return forced;
-  if (bt != 8 || h % 512 || inter % 512) return 0;
-  return routes <= kSplitK8MaxRoutes && forced_path() == 0 ? 6 : 7;
+  if (h % 512 || inter % 512) return 0;
+  if (bt == 16) return 12;
+  if (bt != 8) return 0;
+  if (forced_path() != 0) return 7;
+  return routes <= kSplitK8MaxRoutes ? 6 : routes >= kNk2MinRoutes ? 11 : 7;
 }
 
 // v9: blocks of the fused decode kernel (all resident: blocks per SM x SMs, from the occupancy
@@ -1500,10 +1601,21 @@ int dec_prefetch_tiles() {
   return (v && v[0]) ? atoi(v) : 2;
 }
 
+// v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap);
+// by default 2 for calls of <= 8 routes (M = 1 at top-8: t_max 9 rows of which ~1 is a tile;
+// H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
+// from M = 2), t_max (one row per tile the call could have) above.
+constexpr long long kCapRowsMaxRoutes = 8;
+int grid_rows(int t_max, long long routes) {
+  const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
+  const int cap = (v && v[0]) ? atoi(v) : (routes <= kCapRowsMaxRoutes ? 2 : 0);
+  return cap > 0 && cap < t_max ? cap : t_max;
+}
+
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
-int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
-                 cudaStream_t stream) {
+int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long routes, int h,
+                 int inter, cudaStream_t stream) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
@@ -1513,6 +1625,15 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int i
   // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  const int rows = grid_rows(t_max, routes);
+  if (rows < t_max) {
+    if (int rc = launch("moe_gemm loop (gate/up)",
+                        moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>, dim3(nx1, rows),
+                        dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
+      return rc;
+    return launch("moe_gemm loop (down)", moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>,
+                  dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+  }
   if (int rc = launch("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
                       dim3(nx1, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
     return rc;
@@ -1524,10 +1645,16 @@ template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int N
           int S2>
 int set_smem_attrs() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
-                           GemmShape<BT, W1, N1, NK1, K1, S1>::kSmemBytes) != cudaSuccess ||
+                           Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
-                           GemmShape<BT, W2, N2, NK2, K2, S2>::kSmemBytes) != cudaSuccess)
+                           Sh2::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
+                           Sh1::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
+                           Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   return 0;
 }
@@ -1545,6 +1672,16 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  if (wg_ring(BT)) {
+    if (int rc = launch("moe_gemm_v8 ring (gate/up)",
+                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, true>,
+                        dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                        stream, g1))
+      return rc;
+    return launch("moe_gemm_v8 ring (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, true>,
+                  dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
+                  g2);
+  }
   if (int rc = launch("moe_gemm_v8 (gate/up)", moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>,
                       dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
                       stream, g1))
@@ -1560,6 +1697,10 @@ int set_smem_attrs_v8() {
   if (cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>, attr,
                            WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>, attr,
+                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, true>, attr,
+                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, true>, attr,
                            WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
@@ -1805,16 +1946,16 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
   if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h,     \
-                                                                   a.inter, stream);        \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
+                                                                   a.h, a.inter, stream);   \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
 #define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, a.h,     \
-                                                                   a.inter, stream);        \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
+                                                                   a.h, a.inter, stream);   \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
