@@ -213,6 +213,9 @@ def main() -> int:
     ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
     ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
+    ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
+    ap.add_argument("--rings", default="0,1,2", help="v8 ring variants (EXPERTD_KERNEL_WG_RING)")
+    ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
     ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
     ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
     args = ap.parse_args()
@@ -295,12 +298,13 @@ def main() -> int:
         if m <= args.path_ab_max:
             variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
             variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
-            if pick_bt(m, TOP_K, E) >= 32:  # v8 with / without the mbarrier ring
-                ring = "0" if pick_bt(m, TOP_K, E) >= 96 else "1"  # the default's opposite
-                variants["v8ring" + ring] = {
-                    "EXPERTD_KERNEL_PATH": "8",
-                    "EXPERTD_KERNEL_WG_RING": ring,
-                }
+            if pick_bt(m, TOP_K, E) >= 32:  # v8 rings: 0 block barrier, 1 mbarriers, 2 late
+                for ring in args.rings.split(","):  # copies (moe_nvfp4.cu)
+                    if ring:
+                        variants["v8ring" + ring] = {
+                            "EXPERTD_KERNEL_PATH": "8",
+                            "EXPERTD_KERNEL_WG_RING": ring,
+                        }
             if pick_bt(m, TOP_K, E) == 8:  # v9 has BT 8 only (v6 past 64 routes)
                 variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
         if m <= args.dec_alt_max and args.v9_variants:  # v9 without the W2 prefetch, fewer blocks
@@ -375,17 +379,27 @@ def main() -> int:
                 t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
                 path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
                 del g
-        # Every compiled tile size on the first input set (graph replay): data for the BT pick.
-        # Each BT on its default path (v8 where it has a configuration, WG_BTS).
-        bt_us = {}
+        # Every compiled tile size (graph replay, every input set): data for the BT pick. Each BT
+        # on its default path (v8 where it has a configuration, WG_BTS), under --bt-env; timed in
+        # alternating runs against the default (bt_vs_default: the median ratio).
+        bt_us, bt_vs_default = {}, {}
         if m <= args.bt_sweep_max:
-            for bt in BTS:
-                g = graphed(backend, state, m, sets[0], bt=bt)
-                bt_us[bt] = time_calls(lambda s, g=g: g.replay(), 1, 4, 5) * 1e6
-                del g
+            bt_env = dict(kv.split("=", 1) for kv in args.bt_env.split(",") if kv)
+            for bt in [int(b) for b in args.bt_list.split(",")] if args.bt_list else BTS:
+                gs = [graphed(backend, state, m, inputs, bt=bt, env=bt_env) for inputs in sets]
+                _, t_bt, ratio = time_paired(
+                    lambda s, graphs=graphs: graphs[s].replay(),
+                    lambda s, gs=gs: gs[s].replay(),
+                    n_sets,
+                    calls,
+                    reps,
+                )
+                bt_us[bt], bt_vs_default[bt] = t_bt * 1e6, ratio
+                del gs
         row = {
             "M": m,
             "bt_us": bt_us,
+            "bt_vs_default": bt_vs_default,
             "hit_experts": hit,
             "local_routes": local_routes,
             "floor_us": floor * 1e6,
@@ -513,9 +527,13 @@ def main() -> int:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
         keys = list(sweep[0]["bt_us"])
         print(f"(each BT on its default path: v8 at {WG_BTS}, v6 below)")
-        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>9}" for b in keys))
+        print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>15}" for b in keys))
         for r in sweep:
-            print(f"{r['M']:>6} " + " ".join(f"{r['bt_us'][b]:>9.1f}" for b in keys))
+            print(
+                f"{r['M']:>6} "
+                + " ".join(f"{r['bt_us'][b]:>8.1f} ({r['bt_vs_default'][b]:.3f})" for b in keys)
+            )
+        print("(in brackets: time / the default's, timed in alternating runs)")
     return 0
 
 

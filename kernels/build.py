@@ -18,8 +18,9 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
                             v8 (wgmma) from BT 32, v6 below; 9: the fused decode kernel, BT 8
                             calls of <= 64 routes, an experiment)
     EXPERTD_KERNEL_WG_ALT   v8 experiment: configuration alternative id (moe_nvfp4.cu; 0)
-    EXPERTD_KERNEL_WG_RING  1 / 0: v8 with / without the mbarrier ring (no block barrier per
-                            stage; same bits); unset: with it from BT 96
+    EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 0 block barrier, copies before the math; 1
+                            mbarriers, no block barrier (experiment); 2 (default) block
+                            barrier, copies after the stage's wgmmas
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
                                        none; unset: 2 for calls of <= 8 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:

@@ -235,9 +235,10 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
         assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
 
 
+@pytest.mark.parametrize("ring", ["1", "2"])
 @pytest.mark.parametrize("bt", [32, 48, 64, 96, 128])
-def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
-    """v8 with the mbarrier ring (no block barrier per stage; the default from BT 96) computes
+def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
+    """v8 with the mbarrier ring (1: no block barrier per stage) or the late copies (2) computes
     the block-barrier ring's sums: the same bits, at every tile size, tiles of several widths."""
     preset, layer, state = case
     m = 150
@@ -248,11 +249,11 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
     monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "0")
     want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "1")
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", ring)
     for _ in range(3):
         got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} BT {bt}: the ring differs from v8"
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring")
+        assert torch.equal(got, want), f"{preset.name} BT {bt}: ring {ring} differs from v8"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring {ring}")
 
 
 @pytest.mark.parametrize("rows", [1, 2])

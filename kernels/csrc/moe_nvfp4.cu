@@ -969,12 +969,19 @@ __device__ __forceinline__ void fence_proxy_async() {
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING (default from BT 96: wg_ring; EXPERTD_KERNEL_WG_RING=0/1): no block barrier per stage. Each ring
+// RING 2 (the default): the block-barrier ring with a stage's copies issued after its wgmmas, not
+// before its dequantization (the math starts right at the barrier; the slot refilled is stage
+// kt - 1's, which the barrier already freed). RING 1 (an experiment): no block barrier per stage.
+// Why 1 is race-free: a warp refills a slot only after waiting "empty" for that slot's previous
+// stage, whose phase completes after every warp's lane 0 arrived behind __syncwarp and its
+// wgmma wait (all its reads done; arrive releases, the wait acquires); "full" completes only
+// when every thread's copies landed (cp.async.mbarrier.arrive); a waiter is never two phases
+// behind (it cannot refill or pass "full" before every warp finished the stage before). Each ring
 // slot has a "full" mbarrier (every thread arrives through cp.async.mbarrier.arrive once its
 // copies of the slot's stage landed) and an "empty" one (each warp arrives once its wgmmas of
 // the slot finished); a warp refills the slot of stage kt - 1 only after every warp is done with
 // it, after computing stage kt itself. Same copies, dequantization and wgmmas: v8's bits.
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, bool RING>
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, int RING>
 __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
                                         const int e, const int (&row_off)[BT],
                                         float (&red)[NWG * 4][BT], uint8_t* smem_raw) {
@@ -1049,7 +1056,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   uint32_t af[WM][4 * KG][4];
   const uint64_t desc_base = smem_desc_sw128(smem0);
 
-  if constexpr (RING) {
+  if constexpr (RING == 1) {
     __shared__ __align__(8) unsigned long long bars[2 * ST];  // full[ST], then empty[ST]
     const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * ST;
     if (tid == 0)
@@ -1091,8 +1098,8 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     for (int kt = 0; kt < kt_count; ++kt) {
       cp_async_wait<ST - 2>();
       __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
-      {
-        const int next = kt + ST - 1;
+      const int next = kt + ST - 1;  // into the slot of stage kt - 1
+      if constexpr (RING == 0) {
         if (next < kt_count) load_stage(next % ST, next);
         cp_async_commit();
       }
@@ -1100,6 +1107,10 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
       dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
       issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
+      if constexpr (RING == 2) {  // the copies after this stage's math: it starts at the barrier
+        if (next < kt_count) load_stage(next % ST, next);
+        cp_async_commit();
+      }
       wgmma_wait<0>();  // this stage's slot and the A registers are free again
     }
     cp_async_wait<0>();
@@ -1112,7 +1123,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 
 // The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, from
 // BT >= 64 (where MMAs on padding cost time: compute-bound calls); BT below that always runs N = BT.
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, bool RING,
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING,
           int N = (BT >= 64 ? 16 : BT)>
 __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, const int xb,
                                             const int e, const int rows,
@@ -1131,7 +1142,7 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
 
 // v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
 // prefix of its positions (route_kernel fills each expert's run in order).
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, bool RING = false>
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING = 0>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
   tl_mark(GATED ? 1 : 2, 0);
@@ -1393,15 +1404,17 @@ struct Plan {
   int g1_rows;  // weight rows per GEMM1 block
 };
 
-// v8 with the mbarrier ring (v8_tile, RING; bit-identical) for a call of tile size bt:
-// EXPERTD_KERNEL_WG_RING=1 / 0 forces it on / off; by default from BT 96 (H200, session 4, timed
-// in alternating runs against the block-barrier ring: M = 2048-16384 (BT 96 / 128) 3-9% faster,
-// M = 128-512 (BT 32) equal, M = 1024 (BT 48) 4% slower).
-constexpr int kRingMinBt = 96;
-bool wg_ring(int bt) {
+// The v8 ring (v8_tile's RING; all three compute the same bits): EXPERTD_KERNEL_WG_RING=0 the
+// block barrier with a stage's copies issued before its math, 1 the mbarrier ring, 2 (default)
+// the block barrier with the copies issued after the stage's wgmmas. H200, session 4, timed in
+// alternating runs, 2 / 0: M = 256 0.99, 1024 1.00, 2048 0.96, 4096-16384 0.91-0.93; 1 / 0:
+// 2048 0.91, 4096-16384 0.95-0.97, 1024 1.04. Not the default although fastest at BT 96:
+// racecheck reports hazards on 1 between the cp.async writes and the dequantization reads (it
+// does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile), and 2 is clean.
+int wg_ring(int) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
-  if (v && v[0]) return v[0] == '1';
-  return bt >= kRingMinBt;
+  if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : 2;
+  return 2;
 }
 
 // v8 experiment: EXPERTD_KERNEL_WG_ALT=id runs calls of the alternative's BT on it.
@@ -1672,13 +1685,25 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  if (wg_ring(BT)) {
+  const int ring = wg_ring(BT);
+  if (ring == 1) {
     if (int rc = launch("moe_gemm_v8 ring (gate/up)",
-                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, true>,
+                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 1>,
                         dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
                         stream, g1))
       return rc;
-    return launch("moe_gemm_v8 ring (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, true>,
+    return launch("moe_gemm_v8 ring (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 1>,
+                  dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
+                  g2);
+  }
+  if (ring == 2) {
+    if (int rc = launch("moe_gemm_v8 late copies (gate/up)",
+                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 2>,
+                        dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                        stream, g1))
+      return rc;
+    return launch("moe_gemm_v8 late copies (down)",
+                  moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 2>,
                   dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
                   g2);
   }
@@ -1698,9 +1723,13 @@ int set_smem_attrs_v8() {
                            WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>, attr,
                            WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, true>, attr,
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 1>, attr,
                            WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, true>, attr,
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 1>, attr,
+                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 2>, attr,
+                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 2>, attr,
                            WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
