@@ -85,19 +85,21 @@ def warm_up(fn, n_sets: int, seconds: float = 0.1) -> None:
     torch.cuda.synchronize()
 
 
+def _run_s(fn, n_sets: int, calls: int) -> float:
+    """Seconds per call of one run of `calls` back-to-back calls (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for c in range(calls):
+        fn(c % n_sets)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
 def time_calls(fn, n_sets: int, calls: int, reps: int) -> float:
     """Median seconds per call over `reps` runs of `calls` back-to-back calls, after warm-up."""
     warm_up(fn, n_sets)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for c in range(calls):
-            fn(c % n_sets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(_run_s(fn, n_sets, calls) for _ in range(reps))
 
 
 def time_paired(fa, fb, n_sets: int, calls: int, reps: int) -> tuple[float, float, float]:
@@ -108,13 +110,7 @@ def time_paired(fa, fb, n_sets: int, calls: int, reps: int) -> tuple[float, floa
     ta, tb = [], []
     for rep in range(reps):
         for fn, out in ((fa, ta), (fb, tb)) if rep % 2 == 0 else ((fb, tb), (fa, ta)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for c in range(calls):
-                fn(c % n_sets)
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3 / calls)
+            out.append(_run_s(fn, n_sets, calls))
     ratio = statistics.median(b / a for a, b in zip(ta, tb, strict=True))
     return statistics.median(ta), statistics.median(tb), ratio
 

@@ -162,7 +162,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   SASS) paid once per 2 k-groups; the
 //      |    |                      |                      |   same sum order as the table's BT 8
 //   11 |  8 |        1  4  2  8  3 |        1  2  2  8  3 | 4 k-groups per warp per stage (8 warps)
-//   12 | 16 |        1  4  4  8  3 |        1  2  4  8  3 | alt 7 at BT 16 (108 KB: 2 blocks per SM)
+//   12 | 16 |        1  4  4  8  3 |        1  2  4  8  3 | alt 7 at BT 16 (108 KB, 2 blocks/SM)
 // Picked by default (decode_alt_for; H200, NOTES.md, session 4): 6 for BT 8 calls of <= 16
 // routes (M <= 2 at top-8: 3-6% faster than the table), 11 from 256 routes (M >= 32: 2-3% ahead
 // of 7, timed in alternating runs), 7 for the BT 8 calls between (3-10% faster than the table
@@ -1672,6 +1672,22 @@ int set_smem_attrs() {
   return 0;
 }
 
+// Both v8 GEMMs of a call with ring RING (wg_ring).
+template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
+          int B2, int RING>
+int launch_v8_pair(const GemmArgs& g1, const GemmArgs& g2, int t_max, int mt1, int mt2,
+                   cudaStream_t stream) {
+  using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
+  using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
+  if (int rc = launch("moe_gemm_v8 (gate/up)",
+                      moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>,
+                      dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
+                      stream, g1))
+    return rc;
+  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>,
+                dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+}
+
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2>
 int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
@@ -1685,52 +1701,35 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  const int ring = wg_ring(BT);
-  if (ring == 1) {
-    if (int rc = launch("moe_gemm_v8 ring (gate/up)",
-                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 1>,
-                        dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                        stream, g1))
-      return rc;
-    return launch("moe_gemm_v8 ring (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 1>,
-                  dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
-                  g2);
+  switch (wg_ring(BT)) {
+    case 0:
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
+    case 1:
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
+    default:
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
   }
-  if (ring == 2) {
-    if (int rc = launch("moe_gemm_v8 late copies (gate/up)",
-                        moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 2>,
-                        dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                        stream, g1))
-      return rc;
-    return launch("moe_gemm_v8 late copies (down)",
-                  moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 2>,
-                  dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream,
-                  g2);
-  }
-  if (int rc = launch("moe_gemm_v8 (gate/up)", moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>,
-                      dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                      stream, g1))
-    return rc;
-  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>,
-                dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+}
+
+template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
+          int B2, int RING>
+bool set_smem_attrs_v8_ring() {
+  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  return cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>, attr,
+                              WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) == cudaSuccess &&
+         cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>, attr,
+                              WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) == cudaSuccess;
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2>
 int set_smem_attrs_v8() {
-  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  if (cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true>, attr,
-                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false>, attr,
-                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 1>, attr,
-                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 1>, attr,
-                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, 2>, attr,
-                           WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, 2>, attr,
-                           WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) != cudaSuccess)
+  if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>() ||
+      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>() ||
+      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>())
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
 }
