@@ -115,6 +115,20 @@ def time_paired(fa, fb, n_sets: int, calls: int, reps: int) -> tuple[float, floa
     return statistics.median(ta), statistics.median(tb), ratio
 
 
+def time_vs(base, other, n_sets: int, calls: int, reps: int) -> tuple[float, float]:
+    """Graphs `other` (one per input set) timed in alternating runs against `base`: (median us
+    per call, median ratio to base)."""
+    _, t, ratio = time_paired(
+        lambda s: base[s].replay(), lambda s: other[s].replay(), n_sets, calls, reps
+    )
+    return t * 1e6, ratio
+
+
+def parse_env(spec: str) -> dict[str, str]:
+    """'K=V,K=V' (kernel switches on the command line) -> {K: V}."""
+    return dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+
+
 def _best_alt(path_us: dict) -> str:
     """The fastest v8 alternative timed for a row, as 'us/v8a<id>', or '-'."""
     alts = {
@@ -332,15 +346,9 @@ def main() -> int:
         v6_out = None
         for vname, env in variants.items():
             vg = [graphed(backend, state, m, inputs, env=env) for inputs in sets]
-            _, t_v, ratio = time_paired(
-                lambda s, graphs=graphs: graphs[s].replay(),
-                lambda s, vg=vg: vg[s].replay(),
-                n_sets,
-                calls,
-                reps,
+            path_us[vname], path_us[vname + "_vs_default"] = time_vs(
+                graphs, vg, n_sets, calls, reps
             )
-            path_us[vname] = t_v * 1e6
-            path_us[vname + "_vs_default"] = ratio
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
@@ -380,17 +388,10 @@ def main() -> int:
         # alternating runs against the default (bt_vs_default: the median ratio).
         bt_us, bt_vs_default = {}, {}
         if m <= args.bt_sweep_max:
-            bt_env = dict(kv.split("=", 1) for kv in args.bt_env.split(",") if kv)
+            bt_env = parse_env(args.bt_env)
             for bt in [int(b) for b in args.bt_list.split(",")] if args.bt_list else BTS:
                 gs = [graphed(backend, state, m, inputs, bt=bt, env=bt_env) for inputs in sets]
-                _, t_bt, ratio = time_paired(
-                    lambda s, graphs=graphs: graphs[s].replay(),
-                    lambda s, gs=gs: gs[s].replay(),
-                    n_sets,
-                    calls,
-                    reps,
-                )
-                bt_us[bt], bt_vs_default[bt] = t_bt * 1e6, ratio
+                bt_us[bt], bt_vs_default[bt] = time_vs(graphs, gs, n_sets, calls, reps)
                 del gs
         row = {
             "M": m,

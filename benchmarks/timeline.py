@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel import TOP_K, E, H, env_set, gpu_layer, graphed, routes, time_calls
+from kernel import TOP_K, E, H, env_set, gpu_layer, graphed, parse_env, routes, time_calls
 
 from expertd.kernels.cuda import (
     CudaBackend,
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--env", default="", help="kernel switches for the graphs, K=V,K=V")
     ap.add_argument("--tag", default="", help="suffix of the results file")
     args = ap.parse_args()
-    env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+    env = parse_env(args.env)
     layer = gpu_layer()
     ms = [int(v) for v in args.ms.split(",")]
     backend = CudaBackend("cuda", max_tokens=max(ms))

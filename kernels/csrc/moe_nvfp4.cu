@@ -1404,14 +1404,14 @@ struct Plan {
   int g1_rows;  // weight rows per GEMM1 block
 };
 
-// The v8 ring (v8_tile's RING; all three compute the same bits): EXPERTD_KERNEL_WG_RING=0 the
+// The v8 ring of every call (v8_tile's RING; all three compute the same bits): EXPERTD_KERNEL_WG_RING=0 the
 // block barrier with a stage's copies issued before its math, 1 the mbarrier ring, 2 (default)
 // the block barrier with the copies issued after the stage's wgmmas. H200, session 4, timed in
 // alternating runs, 2 / 0: M = 256 0.99, 1024 1.00, 2048 0.96, 4096-16384 0.91-0.93; 1 / 0:
 // 2048 0.91, 4096-16384 0.95-0.97, 1024 1.04. Not the default although fastest at BT 96:
 // racecheck reports hazards on 1 between the cp.async writes and the dequantization reads (it
 // does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile), and 2 is clean.
-int wg_ring(int) {
+int wg_ring() {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : 2;
   return 2;
@@ -1614,6 +1614,15 @@ int dec_prefetch_tiles() {
   return (v && v[0]) ? atoi(v) : 2;
 }
 
+// The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
+template <typename K1, typename K2>
+int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
+                     const char* what2, K2 k2, dim3 grid2, int threads2, int smem2,
+                     const GemmArgs& g1, const GemmArgs& g2, cudaStream_t stream) {
+  if (int rc = launch(what1, k1, grid1, dim3(threads1), smem1, stream, g1)) return rc;
+  return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
+}
+
 // v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap);
 // by default 2 for calls of <= 8 routes (M = 1 at top-8: t_max 9 rows of which ~1 is a tile;
 // H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
@@ -1639,19 +1648,16 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
   const int rows = grid_rows(t_max, routes);
-  if (rows < t_max) {
-    if (int rc = launch("moe_gemm loop (gate/up)",
-                        moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>, dim3(nx1, rows),
-                        dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
-      return rc;
-    return launch("moe_gemm loop (down)", moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>,
-                  dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
-  }
-  if (int rc = launch("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
-                      dim3(nx1, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1))
-    return rc;
-  return launch("moe_gemm (down)", moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>,
-                dim3(nx2, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+  if (rows < t_max)
+    return launch_gemm_pair(
+        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>,
+        dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
+        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, rows), Sh2::kThreads,
+        Sh2::kSmemBytes, g1, g2, stream);
+  return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
+                          dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
+                          moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
+                          Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
 }
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
@@ -1679,13 +1685,13 @@ int launch_v8_pair(const GemmArgs& g1, const GemmArgs& g2, int t_max, int mt1, i
                    cudaStream_t stream) {
   using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
   using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
-  if (int rc = launch("moe_gemm_v8 (gate/up)",
-                      moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>,
-                      dim3(mt1 / Sh1::kMTiles, t_max), dim3(Sh1::kThreads), Sh1::kSmemBytes,
-                      stream, g1))
-    return rc;
-  return launch("moe_gemm_v8 (down)", moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>,
-                dim3(mt2 / Sh2::kMTiles, t_max), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+  return launch_gemm_pair("moe_gemm_v8 (gate/up)",
+                          moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>,
+                          dim3(mt1 / Sh1::kMTiles, t_max), Sh1::kThreads, Sh1::kSmemBytes,
+                          "moe_gemm_v8 (down)",
+                          moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>,
+                          dim3(mt2 / Sh2::kMTiles, t_max), Sh2::kThreads, Sh2::kSmemBytes, g1, g2,
+                          stream);
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
@@ -1701,7 +1707,7 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  switch (wg_ring(BT)) {
+  switch (wg_ring()) {
     case 0:
       return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, mt1,
                                                                            mt2, stream);
