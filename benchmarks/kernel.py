@@ -33,9 +33,10 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
-BTS = (8, 16, 24, 32, 48, 64, 96, 128)  # the compiled tile sizes (moe_nvfp4.cu)
-WG_BTS = (32, 48, 64, 96, 128)  # those with a v8 (wgmma) configuration
-WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32}  # v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
+BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
+WG_BTS = (32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
+# v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
+WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32}
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -224,6 +225,7 @@ def main() -> int:
     ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
+    ap.add_argument("--paths", default="6,8", help="forced paths timed up to --path-ab-max")
     ap.add_argument("--rings", default="0,1,2", help="v8 ring variants (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
     ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
@@ -306,8 +308,8 @@ def main() -> int:
         # graphs captured under each setting; graph_us above is the default path.
         variants = {}
         if m <= args.path_ab_max:
-            variants["v6"] = {"EXPERTD_KERNEL_PATH": "6"}
-            variants["v8"] = {"EXPERTD_KERNEL_PATH": "8"}
+            for path in filter(None, args.paths.split(",")):
+                variants[f"v{path}"] = {"EXPERTD_KERNEL_PATH": path}
             if pick_bt(m, TOP_K, E) >= 32:  # v8 rings: 0 block barrier, 1 mbarriers, 2 late
                 for ring in args.rings.split(","):  # copies (moe_nvfp4.cu)
                     if ring:
@@ -338,10 +340,12 @@ def main() -> int:
         if args.wg_alt and m >= 64:  # v8 alternatives for the BT the call picks (moe_nvfp4.cu)
             for alt, bt in WG_ALTS.items():
                 if bt == pick_bt(m, TOP_K, E):
-                    variants[f"v8_alt{alt}"] = {
-                        "EXPERTD_KERNEL_PATH": "8",
-                        "EXPERTD_KERNEL_WG_ALT": str(alt),
-                    }
+                    for ring in filter(None, args.rings.split(",")):  # each under each ring
+                        variants[f"v8_alt{alt}_ring{ring}"] = {
+                            "EXPERTD_KERNEL_PATH": "8",
+                            "EXPERTD_KERNEL_WG_ALT": str(alt),
+                            "EXPERTD_KERNEL_WG_RING": ring,
+                        }
         path_us = {}
         v6_out = None
         for vname, env in variants.items():

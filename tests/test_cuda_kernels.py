@@ -102,7 +102,7 @@ def test_forward_matches_reference(case, backend, path, m):
 @pytest.mark.parametrize(
     "path,bt,alt",
     [(6, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
-    + [(8, bt, 0) for bt in (32, 48, 64, 96, 128)]
+    + [(8, bt, 0) for bt in (32, 48, 64, 96, 128, 144, 160)]
     + [(8, 32, 1), (8, 48, 2), (8, 32, 3), (8, 32, 4)]
     + [(9, 8, 0)],
 )
@@ -163,7 +163,8 @@ def test_default_path_by_tile_size(backend, monkeypatch):
 
     monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
     assert kernel_path() == 0  # nothing forced
-    assert [kernel_path(bt) for bt in (8, 16, 24, 32, 48, 64, 96, 128)] == [6, 6, 6, 8, 8, 8, 8, 8]
+    bts = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+    assert [kernel_path(bt) for bt in bts] == [6, 6, 6, 8, 8, 8, 8, 8, 8, 8]
 
 
 @pytest.mark.parametrize(
@@ -235,8 +236,8 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
         assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
 
 
-@pytest.mark.parametrize("ring", ["1", "2"])
-@pytest.mark.parametrize("bt", [32, 48, 64, 96, 128])
+@pytest.mark.parametrize("ring", ["1", "2", "3"])
+@pytest.mark.parametrize("bt", [32, 48, 64, 96, 128, 144, 160])
 def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
     """v8 with the mbarrier ring (1: no block barrier per stage) or the late copies (2) computes
     the block-barrier ring's sums: the same bits, at every tile size, tiles of several widths."""
@@ -254,6 +255,24 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
         got = _run(backend, state, x, ids, w, bt=bt)
         assert torch.equal(got, want), f"{preset.name} BT {bt}: ring {ring} differs from v8"
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring {ring}")
+
+
+@pytest.mark.parametrize("bt", [8, 32, 96, 160])
+def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
+    """Tiles filled round-robin (the default) or in order (EXPERTD_KERNEL_ROUTE_BALANCE=0): the
+    same bits, with a busy expert spread over several tiles of several widths."""
+    preset, layer, state = case
+    m = 400
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 7)
+    ids[: m - 50, 0] = int(layer.experts[1])  # 350 routes: 3 tiles at BT 160, 44 at BT 8
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_BALANCE", "0")
+    want = _run(backend, state, x, ids, w, bt=bt)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_BALANCE", "1")
+    got = _run(backend, state, x, ids, w, bt=bt)
+    assert torch.equal(got, want), f"{preset.name} BT {bt}: balanced tiles differ"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} balanced")
 
 
 @pytest.mark.parametrize("rows", [1, 2])

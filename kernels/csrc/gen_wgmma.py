@@ -11,7 +11,7 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = tuple(range(16, 129, 16))  # the N of v8_tile: BT, or trimmed in steps of 16
+WIDTHS = tuple(range(16, 161, 16))  # the N of v8_tile: BT, or trimmed in steps of 16
 
 
 def wrapper(n: int) -> str:

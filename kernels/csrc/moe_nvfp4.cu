@@ -117,7 +117,9 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
-  X(128, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)
+  X(128, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
+  X(144, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
+  X(160, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)
 
 // v8 alternatives (EXPERTD_KERNEL_WG_ALT=id, calls of their BT only). Benchmark experiments:
 //   id | BT | GEMM1 NWG WM KG ST MB | GEMM2 ... | question
@@ -129,6 +131,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //    4 | 32 |        2  1  2  4  3  | same      | 8 k-steps per stage, 3 blocks per SM (the
 //      |    |                       |           |   default until the H200 run of alt 4 = now
 //      |    |                       |           |   the default: 2-5% slower at M = 128-512)
+// Tried and dropped (session 5, H200, timed in alternating runs against the default; ncu at M =
+// 1024 had shown the tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM): KG 1 / ST 6
+// with 3 blocks per SM at BT 32 and 48, KG 1 / ST 5 with 4 blocks per SM at BT 32: 5-23% slower
+// at M = 128-1024, under ring 2 and ring 3 alike. More warps per SM do not help there.
 // Tried (H200, NOTES.md): KG 1 / ST 6 at BT 64 (within the spread); the next stage dequantized
 // under the current stage's wgmmas (a second A register set moved in after the wait): 2-6%
 // faster from M = 2048, none below, and one configuration (BT 48, KG 1) gave non-finite outputs
@@ -317,7 +323,13 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
 
 // ------------------------------------ 1. routing ---------------------------------------------
 
-// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El]. The local expert of
+// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El], ntile[El]. The local
+// expert's routes fill its tiles round-robin when `balanced` (route j of the expert to tile
+// j % t, slot j / t, t = its tile count): every tile of an expert holds n / t routes rounded up
+// or down, a prefix of its positions, so the wgmma width trimmed to a tile's routes stays near
+// n / t (an expert of 290 routes at BT 160: tiles of 145 and 145, not 160 and 130). Otherwise in
+// order (full tiles, then the rest). Results are the same bits either way: a route's output
+// depends on its token row only. The local expert of
 // a thread's first kCached routes stays in registers between the count and the scatter (one
 // round of dependent global loads instead of two); warp 0 scans the padded counts.
 constexpr int kRouteThreads = 1024;
@@ -331,14 +343,24 @@ __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
   return (e >= 0 && e < el) ? e : -1;
 }
 
+// The position of expert e's next route: in order, or round-robin over its tiles (balanced).
+__device__ __forceinline__ int slot_of(int e, const int* off, int* fill, const int* ntile, int bt,
+                                       int balanced) {
+  const int j = atomicAdd(&fill[e], 1);
+  if (!balanced) return off[e] + j;
+  const int t = ntile[e];
+  return off[e] + (j % t) * bt + j / t;
+}
+
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
-    int num_experts, int el, int bt, int* __restrict__ sorted_route,
+    int num_experts, int el, int bt, int balanced, int* __restrict__ sorted_route,
     int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* off = sm + el;
   int* fill = off + el + 1;
+  int* ntile = fill + el;
   const int tid = threadIdx.x;
   tl_mark(0, 0);
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
@@ -376,7 +398,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     int acc = incl - sum;
     for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) {
       off[e] = acc;
-      acc += (cnt[e] + bt - 1) / bt * bt;
+      ntile[e] = (cnt[e] + bt - 1) / bt;
+      acc += ntile[e] * bt;
     }
     if (tid == 31) {
       off[el] = incl;
@@ -402,7 +425,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     if (r < num_routes) {
       int p = -1;
       if (cached[i] >= 0) {
-        p = off[cached[i]] + atomicAdd(&fill[cached[i]], 1);
+        p = slot_of(cached[i], off, fill, ntile, bt, balanced);
         sorted_route[p] = r;
       }
       pos_of_route[r] = p;
@@ -412,7 +435,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     int p = -1;
     if (e >= 0) {
-      p = off[e] + atomicAdd(&fill[e], 1);
+      p = slot_of(e, off, fill, ntile, bt, balanced);
       sorted_route[p] = r;
     }
     pos_of_route[r] = p;
@@ -934,6 +957,63 @@ __device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
   wgmma_commit();
 }
 
+// Ring 3: one "unit" of a stage (U k-steps of k-group kg from k-step ks0; U = 4, or 2 when a
+// stage has one k-group) dequantized into registers, and its wgmmas issued as one group.
+template <int WM, int KG, int U>
+__device__ __forceinline__ void dequant_unit(const uint8_t* w_s, const uint8_t* s_s, int warp,
+                                             int lane, int kg, int ks0,
+                                             uint32_t (&af)[WM][U][4]) {
+  const int g = lane >> 2;
+#pragma unroll
+  for (int j = 0; j < WM; ++j) {
+    const int m = warp * WM + j;
+    const uint8_t* wp = w_s + (m * KG + kg) * 512 + lane * 16 + ks0 * 4;
+    const uint8_t* sp = s_s + (m * KG + kg) * 128 + g * 16 + ks0 * 4;
+    uint32_t words[U], scl[U];
+    if constexpr (U == 4) {
+      const uint4 q = *reinterpret_cast<const uint4*>(wp);
+      const uint4 sc = *reinterpret_cast<const uint4*>(sp);
+      words[0] = q.x, words[1] = q.y, words[2] = q.z, words[3] = q.w;
+      scl[0] = sc.x, scl[1] = sc.y, scl[2] = sc.z, scl[3] = sc.w;
+    } else {
+      static_assert(U == 2, "units of 4 or 2 k-steps");
+      const uint2 q = *reinterpret_cast<const uint2*>(wp);
+      const uint2 sc = *reinterpret_cast<const uint2*>(sp);
+      words[0] = q.x, words[1] = q.y;
+      scl[0] = sc.x, scl[1] = sc.y;
+    }
+#pragma unroll
+    for (int ks = 0; ks < U; ++ks) {
+      uint32_t r[4];
+      e2m1x8_to_bf16x8(words[ks], r);
+      af[j][ks][0] = bf16x2_mul_lo(r[0], scl[ks]);
+      af[j][ks][1] = bf16x2_mul_hi(r[1], scl[ks]);
+      af[j][ks][2] = bf16x2_mul_lo(r[2], scl[ks]);
+      af[j][ks][3] = bf16x2_mul_hi(r[3], scl[ks]);
+    }
+  }
+}
+
+template <int BT, int WM, int U, int N>
+__device__ __forceinline__ void issue_unit(uint32_t (&af)[WM][U][4], float (&acc)[WM][BT / 2],
+                                           uint64_t desc0, int kg, int ks0) {
+#pragma unroll
+  for (int j = 0; j < WM; ++j)
+#pragma unroll
+    for (int i = 0; i < U; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) reg_fence(af[j][i][c]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < U; ++ks) {
+    const uint64_t desc = desc0 + ((kg * (BT * 128) + (ks0 + ks) * 32) >> 4);
+#pragma unroll
+    for (int j = 0; j < WM; ++j)
+      Wgmma<N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[j]), af[j][ks], desc);
+  }
+  wgmma_commit();
+}
+
 // mbarrier helpers (v8 with RING = true). A phase completes after `count` arrivals; a waiter
 // passes the parity of the phase it waits for.
 __device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
@@ -969,7 +1049,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING 2 (the default): the block-barrier ring with a stage's copies issued after its wgmmas, not
+// RING 2 (the default below BT 96; ring 3, from 96, is its pipelined form): the block-barrier ring with a stage's copies issued after its wgmmas, not
 // before its dequantization (the math starts right at the barrier; the slot refilled is stage
 // kt - 1's, which the barrier already freed). RING 1 (an experiment): no block barrier per stage.
 // Why 1 is race-free: a warp refills a slot only after waiting "empty" for that slot's previous
@@ -1016,14 +1096,15 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   // padding rows below N are zero-filled in each ring slot's first use only and stay zero.
   const int a_ch = tid % S::kChunksPerRow, a_row0 = tid / S::kChunksPerRow;
   const int a_dst0 = (a_ch / 8) * (BT * 128) + a_row0 * 128 + (((a_ch % 8) ^ a_row0) & 7) * 16;
-  const uint16_t* asrc[S::kAPer];
+  // Element offsets, not pointers: 32-bit registers (BT 160 spilled with 64-bit pointers).
+  int aoff[S::kAPer];
   bool areal[S::kAPer];
 #pragma unroll
   for (int i = 0; i < S::kAPer; ++i) {
     const int row = a_row0 + i * S::kRowsPerPass;
     const int ro = row < N ? row_off[row] : -1;
     areal[i] = ro >= 0;
-    asrc[i] = a.act_in + (ro >= 0 ? ro : 0) + a_ch * 8;
+    aoff[i] = (ro >= 0 ? ro : 0) + a_ch * 8;
   }
 
   auto load_stage = [&](int slot, int kt) {
@@ -1043,7 +1124,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
       if (a_row0 + i * S::kRowsPerPass < N && (areal[i] || kt < ST))
-        cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128, asrc[i] + kt * S::kBK,
+        cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128, a.act_in + (aoff[i] + kt * S::kBK),
                    areal[i] ? 16 : 0);
     }
   };
@@ -1056,7 +1137,56 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   uint32_t af[WM][4 * KG][4];
   const uint64_t desc_base = smem_desc_sw128(smem0);
 
-  if constexpr (RING == 1) {
+  if constexpr (RING == 3) {
+    // Ring 3 (experiment): each warp dequantizes the next unit into the other register set while
+    // the current unit's wgmmas run (no wgmma input register is written while wgmmas that read
+    // it are in flight, and every wait is wait_group 0). Copies run ST - 2 stages ahead: at the
+    // barrier between stages kt and kt + 1 a warp's last unit of kt may still be in flight, so
+    // the slot refilled there is stage kt - 1's (all its wgmmas waited before the barrier).
+    constexpr int U = KG >= 2 ? 4 : 2;
+    constexpr int UPS = 4 * KG / U;  // units per stage: even, so unit 0 always uses set A
+    constexpr int D = ST - 2;
+    static_assert(UPS % 2 == 0 && D >= 1, "ring 3 needs an even unit count and ST >= 3");
+    uint32_t afa[WM][U][4], afb[WM][U][4];
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      if (s < kt_count) load_stage(s, s);
+      cp_async_commit();
+    }
+    cp_async_wait<D - 1>();
+    __syncthreads();
+    if (D < kt_count) load_stage(D % ST, D);
+    cp_async_commit();
+    {
+      const uint8_t* w_s = smem + S::kABytes;
+      dequant_unit<WM, KG, U>(w_s, w_s + S::kWBytes, warp, lane, 0, 0, afa);
+    }
+    for (int kt = 0; kt < kt_count; ++kt) {
+      const int slot = kt % ST;
+      const uint64_t desc = desc_base + ((slot * S::kStageBytes) >> 4);
+      const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
+#pragma unroll
+      for (int u = 0; u < UPS; ++u) {
+        auto& cur = (u % 2 == 0) ? afa : afb;
+        auto& nxt = (u % 2 == 0) ? afb : afa;
+        issue_unit<BT, WM, U, N>(cur, acc, desc, (u * U) / 4, (u * U) % 4);
+        if (u + 1 < UPS) {
+          dequant_unit<WM, KG, U>(w_s, w_s + S::kWBytes, warp, lane, ((u + 1) * U) / 4,
+                                  ((u + 1) * U) % 4, nxt);
+        } else if (kt + 1 < kt_count) {
+          cp_async_wait<D - 1>();
+          __syncthreads();  // stage kt + 1 visible; every warp waited all of stage kt - 1
+          const int next = kt + 1 + D;  // into the slot of stage kt - 1
+          if (next < kt_count) load_stage(next % ST, next);
+          cp_async_commit();
+          const uint8_t* w_n = smem + ((kt + 1) % ST) * S::kStageBytes + S::kABytes;
+          dequant_unit<WM, KG, U>(w_n, w_n + S::kWBytes, warp, lane, 0, 0, nxt);
+        }
+        wgmma_wait<0>();
+      }
+    }
+    cp_async_wait<0>();
+  } else if constexpr (RING == 1) {
     __shared__ __align__(8) unsigned long long bars[2 * ST];  // full[ST], then empty[ST]
     const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * ST;
     if (tid == 0)
@@ -1141,7 +1271,7 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
 }
 
 // v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
-// prefix of its positions (route_kernel fills each expert's run in order).
+// prefix of its positions (route_kernel fills each tile from its first position).
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING = 0>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
@@ -1404,17 +1534,26 @@ struct Plan {
   int g1_rows;  // weight rows per GEMM1 block
 };
 
-// The v8 ring of every call (v8_tile's RING; all three compute the same bits): EXPERTD_KERNEL_WG_RING=0 the
-// block barrier with a stage's copies issued before its math, 1 the mbarrier ring, 2 (default)
-// the block barrier with the copies issued after the stage's wgmmas. H200, session 4, timed in
-// alternating runs, 2 / 0: M = 256 0.99, 1024 1.00, 2048 0.96, 4096-16384 0.91-0.93; 1 / 0:
-// 2048 0.91, 4096-16384 0.95-0.97, 1024 1.04. Not the default although fastest at BT 96:
-// racecheck reports hazards on 1 between the cp.async writes and the dequantization reads (it
-// does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile), and 2 is clean.
-int wg_ring() {
+// How route_kernel fills an expert's tiles: EXPERTD_KERNEL_ROUTE_BALANCE=0 in order (full tiles
+// first), otherwise (the default) round-robin, every tile of an expert about equally full.
+int route_balanced() {
+  const char* v = getenv("EXPERTD_KERNEL_ROUTE_BALANCE");
+  return !(v && v[0] == '0');
+}
+
+// The v8 ring of every call (v8_tile's RING; all four compute the same bits): EXPERTD_KERNEL_WG_RING
+// =0 the block barrier with a stage's copies issued before its math, 1 the mbarrier ring, 2 the
+// block barrier with the copies issued after the stage's wgmmas, 3 ring 2 with the next unit
+// dequantized under the current unit's wgmmas (copies ST - 2 stages ahead). Default: 3 from BT
+// 96, 2 below. H200, timed in alternating runs: session 4, 2 / 0: M = 256 0.99, 1024 1.00, 2048
+// 0.96, 4096-16384 0.91-0.93; 1 / 0: 2048 0.91, 4096-16384 0.95-0.97, 1024 1.04 (not the default:
+// racecheck reports hazards on 1 between the cp.async writes and the dequantization reads; it
+// does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile). Session 5, 3 / 2:
+// M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
+int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
-  if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : 2;
-  return 2;
+  if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
+  return bt >= 96 ? 3 : 2;
 }
 
 // v8 experiment: EXPERTD_KERNEL_WG_ALT=id runs calls of the alternative's BT on it.
@@ -1707,12 +1846,15 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  switch (wg_ring()) {
+  switch (wg_ring(BT)) {
     case 0:
       return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, mt1,
                                                                            mt2, stream);
     case 1:
       return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
+    case 3:
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, t_max, mt1,
                                                                            mt2, stream);
     default:
       return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1,
@@ -1735,7 +1877,8 @@ template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2
 int set_smem_attrs_v8() {
   if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>() ||
       !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>())
+      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
+      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
 }
@@ -1797,23 +1940,34 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
 // v6's BT = 8 wins to lambda = 2 (M = 64; v6 with its token copies hoisted); from lambda = 4 the
-// wgmma GEMM (v8) wins at every M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M = 1024), 96 at lambda = 64, 128 from
-// lambda = 128 (v8c run, wgmma width trimmed to each tile's routes: 128 1-5% ahead of 96 from
-// M = 4096). Small tiles cost re-dequantizing an expert for every extra tile, large ones cost
-// MMAs on padding (v8 trims those from BT = 64) and blocks per SM.
+// wgmma GEMM (v8) wins at every M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M =
+// 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
+// one that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
+// on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
+// 160 at 128 (one tile where 128 needs two for half the experts: 0.84x), 144 at 256-512
+// (0.93-0.98x of 128; session 5 sweep, results/kernel-nvidia-h200-2026-11-29-s5-btwide.json).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 2) return 8;
   if (lambda <= 20) return 32;
   if (lambda <= 45) return 48;
-  if (lambda <= 100) return 96;
-  return 128;
+  const double busy = lambda + 2.0 * sqrt(lambda);
+  int best = 0;
+  long long best_tiles = 0;
+  for (int bt : {96, 128, 144, 160}) {
+    const long long tiles = static_cast<long long>(ceil(busy / bt));
+    if (!best || tiles < best_tiles) {
+      best = bt;
+      best_tiles = tiles;
+    }
+  }
+  return best;
 }
 
 // Workspace for a call with up to m tokens, whatever BT the call picks.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 24, 32, 48, 64, 96, 128})
+  for (int bt : {8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
     for (int path : {6, 8}) {
       if (!g1_rows_for(bt, path)) continue;
       Plan p = make_plan(m, top_k, h, el, bt, path);
@@ -1869,7 +2023,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
   int path = kernel_path(bt);
   if (g1_rows_for(bt, path) == 0)
-    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128)");
+    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
@@ -1944,8 +2098,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   }
 
   if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
-                      sizeof(int) * (3 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                      a.num_experts, a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert,
+                      sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
+                      a.num_experts, a.el, bt, route_balanced(), c.sorted_route, c.pos_of_route, c.tile_expert,
                       c.num_tiles))
     return rc;
 
