@@ -36,7 +36,7 @@ SETS = 4
 BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
 WG_BTS = (32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
 # v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
-WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32}
+WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32, 5: 96}
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
