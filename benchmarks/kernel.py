@@ -36,7 +36,7 @@ SETS = 4
 BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
 WG_BTS = (32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
 # v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
-WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32, 5: 96}
+WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32}
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -225,6 +225,10 @@ def main() -> int:
     ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
+    ap.add_argument("--alt-rings", default="", help="--wg-alt: also under these v8 rings")
+    ap.add_argument(
+        "--variant", action="append", default=[], help="NAME:K=V,K=V, timed to --path-ab-max"
+    )
     ap.add_argument("--paths", default="6,8", help="forced paths timed up to --path-ab-max")
     ap.add_argument("--rings", default="0,1,2", help="v8 ring variants (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
@@ -340,12 +344,17 @@ def main() -> int:
         if args.wg_alt and m >= 64:  # v8 alternatives for the BT the call picks (moe_nvfp4.cu)
             for alt, bt in WG_ALTS.items():
                 if bt == pick_bt(m, TOP_K, E):
-                    for ring in filter(None, args.rings.split(",")):  # each under each ring
+                    env = {"EXPERTD_KERNEL_PATH": "8", "EXPERTD_KERNEL_WG_ALT": str(alt)}
+                    variants[f"v8_alt{alt}"] = env
+                    for ring in filter(None, args.alt_rings.split(",")):  # and under other rings
                         variants[f"v8_alt{alt}_ring{ring}"] = {
-                            "EXPERTD_KERNEL_PATH": "8",
-                            "EXPERTD_KERNEL_WG_ALT": str(alt),
+                            **env,
                             "EXPERTD_KERNEL_WG_RING": ring,
                         }
+        if m <= args.path_ab_max:  # --variant NAME:K=V,K=V (any kernel switches)
+            for spec in args.variant:
+                name, _, env = spec.partition(":")
+                variants[name] = parse_env(env)
         path_us = {}
         v6_out = None
         for vname, env in variants.items():

@@ -131,12 +131,11 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //    4 | 32 |        2  1  2  4  3  | same      | 8 k-steps per stage, 3 blocks per SM (the
 //      |    |                       |           |   default until the H200 run of alt 4 = now
 //      |    |                       |           |   the default: 2-5% slower at M = 128-512)
-//    5 | 96 |        2  1  1  5  2  | same      | ring 3 copies ST - 2 stages ahead: 3 stages
-//      |    |                       |           |   of 4 k-steps instead of 1 of 8 (ST 3)
 // Tried and dropped (session 5, H200, timed in alternating runs against the default; ncu at M =
 // 1024 had shown the tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM): KG 1 / ST 6
 // with 3 blocks per SM at BT 32 and 48, KG 1 / ST 5 with 4 blocks per SM at BT 32: 5-23% slower
-// at M = 128-1024, under ring 2 and ring 3 alike. More warps per SM do not help there.
+// at M = 128-1024, under ring 2 and ring 3 alike. More warps per SM do not help there. BT 96
+// with KG 1 / ST 5 (ring 3 copies 3 stages of 4 k-steps ahead, not 1 of 8): 1.06 at M = 2048.
 // Tried (H200, NOTES.md): KG 1 / ST 6 at BT 64 (within the spread); the next stage dequantized
 // under the current stage's wgmmas (a second A register set moved in after the wait): 2-6%
 // faster from M = 2048, none below, and one configuration (BT 48, KG 1) gave non-finite outputs
@@ -146,8 +145,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(1, 32, 2, 2, 1, 6, 2, 2, 2, 1, 6, 2)    \
   X(2, 48, 2, 2, 1, 5, 2, 2, 2, 1, 5, 2)    \
   X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)    \
-  X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)    \
-  X(5, 96, 2, 1, 1, 5, 2, 2, 1, 1, 5, 2)
+  X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)
 
 // Alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above). Experiments, not picked by default: the benchmark times them beside the default
