@@ -259,7 +259,7 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
 
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
-    """Tiles filled round-robin (the default) or in order (EXPERTD_KERNEL_ROUTE_BALANCE=0): the
+    """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the
     same bits, with a busy expert spread over several tiles of several widths."""
     preset, layer, state = case
     m = 400
