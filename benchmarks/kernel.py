@@ -258,7 +258,7 @@ def main() -> int:
         "date": date,
         "kind": args.kind,
         "default_path": kernel_path()
-        or "auto: v8 (wgmma) from BT 32, v9 (fused decode) at BT 8 up to 64 routes, v6 else",
+        or "auto: v6 (mma.sync) at BT 8, v8 (wgmma) from BT 32 (BT per call: expertd_pick_bt)",
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
