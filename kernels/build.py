@@ -24,9 +24,6 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
                             under the current unit's wgmmas. Default: 3 from BT 96, 2 below
     EXPERTD_KERNEL_ROUTE_BALANCE       1: fill an expert's tiles round-robin (same bits; an
                                        experiment); default: in order
-    EXPERTD_KERNEL_WG_ROWS             v8 main grid rows cap (tiles past it run on looping
-                                       overflow grids; same bits); 0: none; unset: 1.5x the
-                                       tiles of the shard's share of routes, plus El
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
                                        none; unset: 2 for calls of <= 8 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:

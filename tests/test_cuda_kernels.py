@@ -275,31 +275,6 @@ def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} balanced")
 
 
-@pytest.mark.parametrize("ring", ["2", "3"])
-@pytest.mark.parametrize("bt", [32, 96, 160])
-def test_v8_capped_rows_overflow_bit_identical(case, backend, monkeypatch, bt, ring):
-    """v8 main grids capped at R rows (EXPERTD_KERNEL_WG_ROWS; by default from the shard's share
-    of routes), the tiles past R on the looping overflow grids: the full grid's bits."""
-    preset, layer, state = case
-    m = 300
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 11)
-    ids[: m - 20, 0] = int(layer.experts[2])  # a busy expert: several tiles
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 3))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", ring)
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_ROWS", "0")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    for rows in ("1", "2", "3"):
-        monkeypatch.setenv("EXPERTD_KERNEL_WG_ROWS", rows)
-        got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} BT {bt} ring {ring}: {rows} rows differ"
-    monkeypatch.delenv("EXPERTD_KERNEL_WG_ROWS")
-    got = _run(backend, state, x, ids, w, bt=bt)
-    assert torch.equal(got, want), f"{preset.name} BT {bt} ring {ring}: default rows differ"
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} ring {ring} rows")
-
-
 @pytest.mark.parametrize("rows", [1, 2])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
     """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; 2 by default at <= 8

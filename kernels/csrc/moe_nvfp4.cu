@@ -460,7 +460,6 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
-  int tile0;  // v8 overflow grid: its first tile (the main grid's rows); 0 otherwise
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -1271,43 +1270,34 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
   }
 }
 
-// v8: grid (n-blocks, rows), tile = blockIdx.y; blocks past num_tiles exit. rows = t_max (one
-// per tile the call could have) or fewer (wg_rows); then the overflow grid (LOOP) of a few rows
-// takes tiles tile0 + y, tile0 + y + rows, ... (tile0 = the main grid's rows): its blocks loop,
-// so the instance spills (registers live across items), but it only works when a shard gets
-// far more than its share of routes. Overflow blocks are not in the timeline. A tile's valid
-// routes are a prefix of its positions (route_kernel fills each tile from its first position).
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING = 0,
-          bool LOOP = false>
+// v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
+// prefix of its positions (route_kernel fills each tile from its first position).
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING = 0>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
-  if constexpr (!LOOP) tl_mark(GATED ? 1 : 2, 0);
+  const int tile = blockIdx.y;
+  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
-  if constexpr (!LOOP) tl_mark(GATED ? 1 : 2, 1);
-  const int num_tiles = *a.num_tiles;
-  const int tile_first = (LOOP ? a.tile0 : 0) + static_cast<int>(blockIdx.y);
+  tl_mark(GATED ? 1 : 2, 1);
+  if (tile >= *a.num_tiles) return;
+  const int e = a.tile_expert[tile];
   extern __shared__ uint8_t smem_raw[];
   __shared__ float red[NWG * 4][BT];
   __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
   const int tid = threadIdx.x;
-  for (int tile = tile_first; tile < num_tiles; tile += gridDim.y) {
-    if (LOOP && tile != tile_first) __syncthreads();  // the last item's shared memory is free
-    const int e = a.tile_expert[tile];
-    bool valid = false;
-    if (tid < BT) {
-      const int pos = tile * BT + tid;
-      const int r = a.sorted_route[pos];
-      valid = r >= 0;
-      if constexpr (GATED)
-        row_off[tid] = valid ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
-      else
-        row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
-    }
-    const int rows = __syncthreads_count(valid);
-    v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, rows, row_off, red,
-                                                      smem_raw);
-    if constexpr (!LOOP) break;
+  bool valid = false;
+  if (tid < BT) {
+    const int pos = tile * BT + tid;
+    const int r = a.sorted_route[pos];
+    valid = r >= 0;
+    if constexpr (GATED)
+      row_off[tid] = valid ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
+    else
+      row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
   }
-  if (!LOOP && tile_first < num_tiles) tl_done(GATED ? 1 : 2);
+  const int rows = __syncthreads_count(valid);
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, rows, row_off, red,
+                                                    smem_raw);
+  tl_done(GATED ? 1 : 2);
 }
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
@@ -1829,62 +1819,26 @@ int set_smem_attrs() {
   return 0;
 }
 
-// v8 grid rows: EXPERTD_KERNEL_WG_ROWS=R caps the main grids at R rows (0: t_max). By default
-// 1.5x the tiles of the expected local routes (routes x El / E, the shard's share under uniform
-// routing) plus El, capped at t_max: t_max assumes every route is local, and the main grid's
-// blocks past num_tiles cost time (launch, wait, exit: 73 us of GEMM1's 1900 at M = 16384,
-// where t_max is 942 rows and ~130 are tiles; H200 timeline, session 5). Tiles past the cap, if
-// a shard gets more than that, go to the overflow grids (LOOP).
-int wg_rows(int t_max, long long routes, int el, int num_experts, int bt) {
-  const char* v = getenv("EXPERTD_KERNEL_WG_ROWS");
-  long long cap;
-  if (v && v[0]) {
-    cap = atoi(v);
-  } else {
-    const double local = static_cast<double>(routes) * el / (num_experts > 0 ? num_experts : 1);
-    cap = static_cast<long long>(ceil(1.5 * local / bt)) + el;
-  }
-  return cap > 0 && cap < t_max ? static_cast<int>(cap) : t_max;
-}
-constexpr int kWgOverflowRows = 4;  // rows of an overflow grid (its blocks loop over tiles)
-
-// One v8 GEMM of a call with ring RING (wg_ring): the main grid of `rows` rows, then, where rows
-// < t_max, the overflow grid of the tiles from `rows` on.
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING>
-int launch_v8(const GemmArgs& g, int rows, int t_max, int mt, cudaStream_t stream) {
-  using Sh = WgShape<BT, NWG, WM, KG, ST, MB>;
-  const int nx = mt / Sh::kMTiles;
-  if (int rc = launch(GATED ? "moe_gemm_v8 (gate/up)" : "moe_gemm_v8 (down)",
-                      moe_gemm_v8_kernel<BT, NWG, WM, KG, ST, MB, GATED, RING, false>,
-                      dim3(nx, rows), dim3(Sh::kThreads), Sh::kSmemBytes, stream, g))
-    return rc;
-  if constexpr (RING < 2) {  // rings 0 and 1 run full grids (no overflow instances)
-    return rows >= t_max ? 0 : fail(1, "v8 rings 0 and 1 have no overflow grid");
-  } else {
-    if (rows >= t_max) return 0;
-    GemmArgs over = g;
-    over.tile0 = rows;
-    return launch(GATED ? "moe_gemm_v8 overflow (gate/up)" : "moe_gemm_v8 overflow (down)",
-                  moe_gemm_v8_kernel<BT, NWG, WM, KG, ST, MB, GATED, RING, true>,
-                  dim3(nx, min(t_max - rows, kWgOverflowRows)), dim3(Sh::kThreads),
-                  Sh::kSmemBytes, stream, over);
-  }
-}
-
-// Both v8 GEMMs of a call with ring RING.
+// Both v8 GEMMs of a call with ring RING (wg_ring).
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2, int RING>
-int launch_v8_pair(const GemmArgs& g1, const GemmArgs& g2, int rows, int t_max, int mt1,
-                   int mt2, cudaStream_t stream) {
-  if (int rc = launch_v8<BT, G1, W1, K1, S1, B1, true, RING>(g1, rows, t_max, mt1, stream))
-    return rc;
-  return launch_v8<BT, G2, W2, K2, S2, B2, false, RING>(g2, rows, t_max, mt2, stream);
+int launch_v8_pair(const GemmArgs& g1, const GemmArgs& g2, int t_max, int mt1, int mt2,
+                   cudaStream_t stream) {
+  using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
+  using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
+  return launch_gemm_pair("moe_gemm_v8 (gate/up)",
+                          moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>,
+                          dim3(mt1 / Sh1::kMTiles, t_max), Sh1::kThreads, Sh1::kSmemBytes,
+                          "moe_gemm_v8 (down)",
+                          moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>,
+                          dim3(mt2 / Sh2::kMTiles, t_max), Sh2::kThreads, Sh2::kSmemBytes, g1, g2,
+                          stream);
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2>
-int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long routes, int el,
-                    int num_experts, int h, int inter, cudaStream_t stream) {
+int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
+                    cudaStream_t stream) {
   using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
   using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
   if (t_max == 0) return 0;
@@ -1894,32 +1848,30 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  const int ring = wg_ring(BT);
-  const int rows = ring >= 2 ? wg_rows(t_max, routes, el, num_experts, BT) : t_max;
-  switch (ring) {  // rings 0 and 1 (experiments): full grids, no overflow instances
+  switch (wg_ring(BT)) {
     case 0:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, t_max,
-                                                                           mt1, mt2, stream);
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
     case 1:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>(g1, g2, t_max, t_max,
-                                                                           mt1, mt2, stream);
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
     case 3:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, rows, t_max,
-                                                                           mt1, mt2, stream);
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
     default:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, rows, t_max,
-                                                                           mt1, mt2, stream);
+      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1,
+                                                                           mt2, stream);
   }
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2, int RING, bool LOOP = false>
+          int B2, int RING>
 bool set_smem_attrs_v8_ring() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  return cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING, LOOP>, attr,
+  return cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>, attr,
                               WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) == cudaSuccess &&
-         cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING, LOOP>,
-                              attr, WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) == cudaSuccess;
+         cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>, attr,
+                              WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) == cudaSuccess;
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
@@ -1928,9 +1880,7 @@ int set_smem_attrs_v8() {
   if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>() ||
       !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>() ||
       !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2, true>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3, true>())
+      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
 }
@@ -2170,16 +2120,16 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #define EXPERTD_DISPATCH_WG_ALT(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)              \
   if (path == 8 && walt == ID && bt == BT) {                                                \
     launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(                        \
-        g1, g2, p.t_max, routes, a.el, a.num_experts, a.h, a.inter, stream);                \
+    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
+                                                                     a.inter, stream);      \
   }
   EXPERTD_FOR_EACH_WG_ALT(EXPERTD_DISPATCH_WG_ALT)
 #undef EXPERTD_DISPATCH_WG_ALT
 #define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
   if (path == 8 && !walt && bt == BT) {                                                     \
     launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(                        \
-        g1, g2, p.t_max, routes, a.el, a.num_experts, a.h, a.inter, stream);                \
+    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
+                                                                     a.inter, stream);      \
   }
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_DISPATCH_WG)
 #undef EXPERTD_DISPATCH_WG
