@@ -275,33 +275,6 @@ def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} balanced")
 
 
-@pytest.mark.parametrize("m,bt", [(1, 0), (2, 0), (4, 0), (8, 0), (5, 16), (3, 8)])
-def test_fused_finalize_bit_identical(case, backend, monkeypatch, m, bt):
-    """v6 calls of <= 8 tokens run the norm + weighted sum in GEMM2's last block (the default;
-    EXPERTD_KERNEL_FUSE_FINALIZE=0: the finalize kernel): the same bits, every call in a row
-    (the block counter resets itself), and zeros for tokens without a local route."""
-    preset, layer, state = case
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + bt)
-    ids[0, :] = -1  # token 0: no route at all
-    if m > 1:
-        ids[1, 0] = int(layer.experts[0])
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-    monkeypatch.setenv("EXPERTD_KERNEL_FUSE_FINALIZE", "0")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.delenv("EXPERTD_KERNEL_FUSE_FINALIZE")
-    for _ in range(3):
-        got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: fused finalize differs"
-    assert not got[0].any(), "a token with no local route must come out zero"
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} fused finalize")
-    # no local route in the whole call: block (0, 0) writes the zeros
-    none = torch.full_like(ids, -1)
-    got = _run(backend, state, x, none, w, bt=bt)
-    assert not got.isnan().any() and not got.any(), "a call with no local route: zeros"
-
-
 @pytest.mark.parametrize("rows", [1, 2])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
     """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; 2 by default at <= 8

@@ -460,14 +460,6 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
-  // v6 GEMM2 of a small call with the norm + weighted sum fused (fin_m > 0, fused_finalize):
-  // the last block to finish does finalize_kernel's work for the call's fin_m tokens.
-  int fin_m;
-  int nparts;                  // GEMM2 n-blocks (partial sums per position)
-  unsigned* fin_done;          // blocks done; zero before and after each call
-  const int* pos_of_route;     // [M * top_k]
-  const float* topk_weights;   // [M, top_k]
-  uint16_t* fin_out;           // out [M, H] (bf16 bits)
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -831,9 +823,6 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
 }
 
-__device__ __forceinline__ void fused_finalize(const GemmArgs& a, int num_tiles, int worked);
-constexpr int kFinMaxBt = 16;  // v6 GEMM2 instances with the fused norm: decode tiles only
-
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
@@ -841,18 +830,9 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
-  if constexpr (!GATED && BT <= kFinMaxBt) {  // decode tiles: the norm may be fused in
-    const int num_tiles = *a.num_tiles;
-    if (tile < num_tiles) {
-      gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
-      tl_done(GATED ? 1 : 2);
-    }
-    if (a.fin_m) fused_finalize(a, num_tiles, num_tiles);
-  } else {
-    if (tile >= *a.num_tiles) return;
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
-    tl_done(GATED ? 1 : 2);
-  }
+  if (tile >= *a.num_tiles) return;
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+  tl_done(GATED ? 1 : 2);
 }
 
 // v6 on a grid of fewer rows than t_max (grid_rows): each block loops over tiles y, y + rows, ...
@@ -869,9 +849,6 @@ __global__ void __launch_bounds__(NW * NK * 32, 2) moe_gemm_loop_kernel(const Ge
     gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
   }
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
-  if constexpr (!GATED && BT <= kFinMaxBt) {
-    if (a.fin_m) fused_finalize(a, num_tiles, min(num_tiles, static_cast<int>(gridDim.y)));
-  }
 }
 
 // ------------------------------------ v8: warpgroup MMA --------------------------------------
@@ -1399,45 +1376,6 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   tl_done(3);
 }
 
-// The norm + weighted sum inside v6's GEMM2 (small calls; expertd_moe_forward sets fin_m): a
-// block with work counts itself done once its z rows and partial sums are written (fence, then
-// an atomic on fin_done); the one that completes the count (n-blocks x rows with work) runs
-// finalize_kernel's code for every token in turn, so the outputs are its bits, and resets the
-// counter for the next call. A call with no tile: block (0, 0) writes the zeros. It saves the
-// finalize launch and its wait at decode. `worked`: the grid rows that had a tile.
-constexpr int kFinMaxTopK = 64;
-__device__ __forceinline__ void fused_finalize(const GemmArgs& a, int num_tiles, int worked) {
-  __shared__ float s_coef[kFinMaxTopK];
-  __shared__ int s_pos[kFinMaxTopK];
-  __shared__ int s_last;
-  const int h = a.mt * 16;
-  if (num_tiles == 0) {
-    if (blockIdx.x != 0 || blockIdx.y != 0) return;
-  } else {
-    if (static_cast<int>(blockIdx.y) >= worked) return;  // no tile here: not counted
-    __syncthreads();  // every thread's z and partial stores issued
-    if (threadIdx.x == 0) {
-      __threadfence();
-      const unsigned total = gridDim.x * static_cast<unsigned>(worked);
-      s_last = atomicAdd(a.fin_done, 1u) == total - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-  }
-  tl_mark(3, 0);  // the timeline's "finalize": this block, from here
-  tl_mark(3, 1);
-  for (int t = 0; t < a.fin_m; ++t) {
-    finalize_coefs(t, a.pos_of_route, a.topk_weights, a.top_k, a.partial, a.nparts, a.pcap, h,
-                   s_coef, s_pos);
-    for (int c = threadIdx.x; c < h / 8; c += blockDim.x)
-      finalize_chunk(t, c, a.top_k, s_coef, s_pos, a.out, h, a.fin_out);
-    __syncthreads();  // s_coef and s_pos are the next token's
-  }
-  if (threadIdx.x == 0 && num_tiles) *a.fin_done = 0;
-  tl_done(3);
-}
-
 // ------------------------------------ v9: fused decode ----------------------------------------
 
 // v9: a whole call of at most kDecMaxRoutes routes (M <= 8 at top-8) in one persistent kernel,
@@ -1614,13 +1552,6 @@ int route_balanced() {
 // racecheck reports hazards on 1 between the cp.async writes and the dequantization reads; it
 // does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile). Session 5, 3 / 2:
 // M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
-// v6 calls of at most this many tokens fuse the norm + weighted sum into GEMM2 (fused_finalize):
-// EXPERTD_KERNEL_FUSE_FINALIZE=N (0: never); default 8.
-long long fin_max_m() {
-  const char* v = getenv("EXPERTD_KERNEL_FUSE_FINALIZE");
-  return (v && v[0]) ? atoll(v) : 8;
-}
-
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
@@ -1755,8 +1686,7 @@ int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
-  unsigned* bar;  // v9's grid-barrier counters (0, 1) and v6's fused-finalize count (2): zero
-                  // with the workspace and after each call
+  unsigned* bar;  // v9's grid-barrier counters: zero with the workspace and after each call
   int* num_tiles;
   int* tile_expert;
   int* sorted_route;
@@ -1775,7 +1705,7 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     o += align256(bytes);
     return ptr;
   };
-  c.bar = reinterpret_cast<unsigned*>(take(3 * sizeof(unsigned)));  // v9: 0, 1; fused: 2
+  c.bar = reinterpret_cast<unsigned*>(take(2 * sizeof(unsigned)));
   c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
@@ -2145,17 +2075,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
-  const bool fused =
-      path != 8 && path != 9 && bt <= kFinMaxBt && p.t_max > 0 && a.m <= fin_max_m() &&
-      a.top_k <= kFinMaxTopK;
-  if (fused) {
-    g2.fin_m = static_cast<int>(a.m);
-    g2.nparts = p.nparts;
-    g2.fin_done = c.bar + 2;
-    g2.pos_of_route = c.pos_of_route;
-    g2.topk_weights = static_cast<const float*>(a.topk_weights);
-    g2.fin_out = static_cast<uint16_t*>(a.out);
-  }
 
   if (path == 9) {
     DecodeArgs d{};
@@ -2231,7 +2150,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
   if (!launched) return fail(1, "no compiled GEMM for this tile size and path");
-  if (rc || fused) return rc;
+  if (rc) return rc;
 
   return launch("finalize_kernel", finalize_kernel, dim3(static_cast<unsigned>(a.m)), dim3(256),
                 static_cast<size_t>(a.top_k) * 8, stream, c.pos_of_route,
