@@ -112,6 +112,9 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
 //  128 |        2  1  1  4  2  |        2  1  1  4  2  |  85 KB (KG = 2 and 5 stages, 1 block
 //      |                       |                       |   per SM: 1.3-2x slower than BT = 64)
+//  144 |        2  1  1  4  2  |        2  1  1  4  2  |  93 KB (tiles that hold a busy expert:
+//  160 |        2  1  1  4  2  |        2  1  1  4  2  | 101 KB   expertd_pick_bt; 128 registers,
+//      |                       |                       |   the most 2 blocks of 256 threads get)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
   X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
