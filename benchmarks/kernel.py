@@ -314,6 +314,9 @@ def main() -> int:
         if m <= args.path_ab_max:
             for path in filter(None, args.paths.split(",")):
                 variants[f"v{path}"] = {"EXPERTD_KERNEL_PATH": path}
+            for spec in args.variant:  # --variant NAME:K=V,K=V (any kernel switches)
+                name, _, env = spec.partition(":")
+                variants[name] = parse_env(env)
             if pick_bt(m, TOP_K, E) >= 32:  # v8 rings: 0 block barrier, 1 mbarriers, 2 late
                 for ring in args.rings.split(","):  # copies (moe_nvfp4.cu)
                     if ring:
@@ -351,10 +354,6 @@ def main() -> int:
                             **env,
                             "EXPERTD_KERNEL_WG_RING": ring,
                         }
-        if m <= args.path_ab_max:  # --variant NAME:K=V,K=V (any kernel switches)
-            for spec in args.variant:
-                name, _, env = spec.partition(":")
-                variants[name] = parse_env(env)
         path_us = {}
         v6_out = None
         for vname, env in variants.items():

@@ -239,8 +239,9 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
 @pytest.mark.parametrize("ring", ["1", "2", "3"])
 @pytest.mark.parametrize("bt", [32, 48, 64, 96, 128, 144, 160])
 def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
-    """v8 with the mbarrier ring (1: no block barrier per stage) or the late copies (2) computes
-    the block-barrier ring's sums: the same bits, at every tile size, tiles of several widths."""
+    """v8 with the mbarrier ring (1: no block barrier per stage), the late copies (2) or the
+    dequantization under the wgmmas (3) computes the block-barrier ring's sums: the same bits,
+    at every tile size, tiles of several widths."""
     preset, layer, state = case
     m = 150
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt)

@@ -327,14 +327,14 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
 
 // ------------------------------------ 1. routing ---------------------------------------------
 
-// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El], ntile[El]. The local
+// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El], ntile[El]. An
 // expert's routes fill its tiles in order (full tiles, then the rest), or round-robin when
 // `balanced` (an experiment, route_balanced: route j of the expert to tile j % t, slot j / t, t =
 // its tile count): every tile of an expert then holds n / t routes rounded up or down, a prefix
-// of its positions (290 routes at BT 160: tiles of 145 and 145, not 160 and 130). Results are the same bits either way: a route's output
-// depends on its token row only. The local expert of
-// a thread's first kCached routes stays in registers between the count and the scatter (one
-// round of dependent global loads instead of two); warp 0 scans the padded counts.
+// of its positions (290 routes at BT 160: tiles of 145 and 145, not 160 and 130). The same bits
+// either way: a route's output depends on its token row only. The local expert of a thread's
+// first kCached routes stays in registers between the count and the scatter (one round of
+// dependent global loads instead of two); warp 0 scans the padded counts.
 constexpr int kRouteThreads = 1024;
 constexpr int kCached = 4;
 
@@ -905,63 +905,8 @@ struct WgShape {
   static_assert(BT <= kThreads, "one token row per thread");
 };
 
-// Dequantize one stage's A fragments of this warp (its WM m-tiles, KG k-groups x 4 k-steps) from
-// the stage's shared-memory codes and scales into registers.
-template <int WM, int KG>
-__device__ __forceinline__ void dequant_stage(const uint8_t* w_s, const uint8_t* s_s, int warp,
-                                              int lane, uint32_t (&af)[WM][4 * KG][4]) {
-  const int g = lane >> 2;
-#pragma unroll
-  for (int j = 0; j < WM; ++j)
-#pragma unroll
-    for (int kg = 0; kg < KG; ++kg) {
-      const int m = warp * WM + j;
-      const uint4 q = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
-      const uint4 sc = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-      const uint32_t scl[4] = {sc.x, sc.y, sc.z, sc.w};
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        uint32_t r[4];
-        e2m1x8_to_bf16x8(words[ks], r);
-        af[j][kg * 4 + ks][0] = bf16x2_mul_lo(r[0], scl[ks]);  // row g
-        af[j][kg * 4 + ks][1] = bf16x2_mul_hi(r[1], scl[ks]);  // row g+8
-        af[j][kg * 4 + ks][2] = bf16x2_mul_lo(r[2], scl[ks]);
-        af[j][kg * 4 + ks][3] = bf16x2_mul_hi(r[3], scl[ks]);
-      }
-    }
-}
-
-// The stage's WM x 4 KG wgmma m64nNk16 (N = the tile's rows in use), committed as one group. The
-// A registers are pinned first: register-only code scheduled between the wgmmas makes ptxas
-// serialize them (C7513).
-// desc0: the descriptor of the stage's token tile (k-step 0); a k-step's is desc0 plus its byte
-// offset / 16 (the start-address field, bits 0-13, cannot carry: shared memory < 256 KB), so
-// the descriptors cost one add each, not the full encoding.
-template <int BT, int WM, int KG, int N>
-__device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
-                                            float (&acc)[WM][BT / 2], uint64_t desc0) {
-#pragma unroll
-  for (int j = 0; j < WM; ++j)
-#pragma unroll
-    for (int i = 0; i < 4 * KG; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) reg_fence(af[j][i][c]);
-  wgmma_fence();  // the A registers written before, ahead of the wgmmas that read them
-#pragma unroll
-  for (int kg = 0; kg < KG; ++kg)
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const uint64_t desc = desc0 + ((kg * (BT * 128) + ks * 32) >> 4);
-#pragma unroll
-      for (int j = 0; j < WM; ++j)
-        Wgmma<N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[j]), af[j][kg * 4 + ks], desc);
-    }
-  wgmma_commit();
-}
-
-// Ring 3: one "unit" of a stage (U k-steps of k-group kg from k-step ks0; U = 4, or 2 when a
-// stage has one k-group) dequantized into registers, and its wgmmas issued as one group.
+// Dequantize one "unit" of this warp's A fragments (its WM m-tiles, U k-steps of k-group kg from
+// k-step ks0; U = 4 or 2) from a stage's shared-memory codes and scales into registers.
 template <int WM, int KG, int U>
 __device__ __forceinline__ void dequant_unit(const uint8_t* w_s, const uint8_t* s_s, int warp,
                                              int lane, int kg, int ks0,
@@ -997,6 +942,52 @@ __device__ __forceinline__ void dequant_unit(const uint8_t* w_s, const uint8_t* 
   }
 }
 
+// Dequantize one stage's A fragments of this warp (KG k-groups x 4 k-steps).
+template <int WM, int KG>
+__device__ __forceinline__ void dequant_stage(const uint8_t* w_s, const uint8_t* s_s, int warp,
+                                              int lane, uint32_t (&af)[WM][4 * KG][4]) {
+#pragma unroll
+  for (int kg = 0; kg < KG; ++kg) {
+    uint32_t u[WM][4][4];
+    dequant_unit<WM, KG, 4>(w_s, s_s, warp, lane, kg, 0, u);
+#pragma unroll
+    for (int j = 0; j < WM; ++j)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) af[j][kg * 4 + ks][c] = u[j][ks][c];
+  }
+}
+
+// The stage's WM x 4 KG wgmma m64nNk16 (N = the tile's rows in use), committed as one group. The
+// A registers are pinned first: register-only code scheduled between the wgmmas makes ptxas
+// serialize them (C7513).
+// desc0: the descriptor of the stage's token tile (k-step 0); a k-step's is desc0 plus its byte
+// offset / 16 (the start-address field, bits 0-13, cannot carry: shared memory < 256 KB), so
+// the descriptors cost one add each, not the full encoding.
+template <int BT, int WM, int KG, int N>
+__device__ __forceinline__ void issue_stage(uint32_t (&af)[WM][4 * KG][4],
+                                            float (&acc)[WM][BT / 2], uint64_t desc0) {
+#pragma unroll
+  for (int j = 0; j < WM; ++j)
+#pragma unroll
+    for (int i = 0; i < 4 * KG; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) reg_fence(af[j][i][c]);
+  wgmma_fence();  // the A registers written before, ahead of the wgmmas that read them
+#pragma unroll
+  for (int kg = 0; kg < KG; ++kg)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const uint64_t desc = desc0 + ((kg * (BT * 128) + ks * 32) >> 4);
+#pragma unroll
+      for (int j = 0; j < WM; ++j)
+        Wgmma<N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[j]), af[j][kg * 4 + ks], desc);
+    }
+  wgmma_commit();
+}
+
+// Ring 3: one unit's wgmmas (as issue_stage does for a stage), committed as one group.
 template <int BT, int WM, int U, int N>
 __device__ __forceinline__ void issue_unit(uint32_t (&af)[WM][U][4], float (&acc)[WM][BT / 2],
                                            uint64_t desc0, int kg, int ks0) {
@@ -1052,9 +1043,10 @@ __device__ __forceinline__ void fence_proxy_async() {
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING 2 (the default below BT 96; ring 3, from 96, is its pipelined form): the block-barrier ring with a stage's copies issued after its wgmmas, not
-// before its dequantization (the math starts right at the barrier; the slot refilled is stage
-// kt - 1's, which the barrier already freed). RING 1 (an experiment): no block barrier per stage.
+// RING 2 (the default below BT 96; ring 3, its pipelined form, from 96): the block-barrier ring
+// with a stage's copies issued after its wgmmas, not before its dequantization (the math starts
+// right at the barrier; the slot refilled is stage kt - 1's, which the barrier already freed).
+// RING 1 (an experiment): no block barrier per stage.
 // Why 1 is race-free: a warp refills a slot only after waiting "empty" for that slot's previous
 // stage, whose phase completes after every warp's lane 0 arrived behind __syncwarp and its
 // wgmma wait (all its reads done; arrive releases, the wait acquires); "full" completes only
@@ -1546,15 +1538,16 @@ int route_balanced() {
   return v && v[0] == '1';
 }
 
-// The v8 ring of every call (v8_tile's RING; all four compute the same bits): EXPERTD_KERNEL_WG_RING
-// =0 the block barrier with a stage's copies issued before its math, 1 the mbarrier ring, 2 the
-// block barrier with the copies issued after the stage's wgmmas, 3 ring 2 with the next unit
-// dequantized under the current unit's wgmmas (copies ST - 2 stages ahead). Default: 3 from BT
-// 96, 2 below. H200, timed in alternating runs: session 4, 2 / 0: M = 256 0.99, 1024 1.00, 2048
-// 0.96, 4096-16384 0.91-0.93; 1 / 0: 2048 0.91, 4096-16384 0.95-0.97, 1024 1.04 (not the default:
-// racecheck reports hazards on 1 between the cp.async writes and the dequantization reads; it
-// does not model cp.async.mbarrier.arrive; the ordering argument is at v8_tile). Session 5, 3 / 2:
-// M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
+// The v8 ring of every call (v8_tile's RING; all four compute the same bits), from
+// EXPERTD_KERNEL_WG_RING: 0 the block barrier with a stage's copies issued before its math, 1 the
+// mbarrier ring, 2 the block barrier with the copies issued after the stage's wgmmas, 3 ring 2
+// with the next unit dequantized under the current unit's wgmmas (copies ST - 2 stages ahead).
+// Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2 / 0: M = 256
+// 0.99, 1024 1.00, 2048 0.96, 4096-16384 0.91-0.93; 1 / 0: 2048 0.91, 4096-16384 0.95-0.97,
+// 1024 1.04 (not the default: racecheck reports hazards on 1 between the cp.async writes and the
+// dequantization reads; it does not model cp.async.mbarrier.arrive; the ordering argument is at
+// v8_tile). Session 5, 3 / 2: M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01:
+// 2 stays there.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
@@ -2028,7 +2021,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
   int path = kernel_path(bt);
   if (g1_rows_for(bt, path) == 0)
-    return fail(1, "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)");
+    return fail(1,
+                "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
   Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
@@ -2104,8 +2098,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 
   if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
                       sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                      a.num_experts, a.el, bt, route_balanced(), c.sorted_route, c.pos_of_route, c.tile_expert,
-                      c.num_tiles))
+                      a.num_experts, a.el, bt, route_balanced(), c.sorted_route,
+                      c.pos_of_route, c.tile_expert, c.num_tiles))
     return rc;
 
   int rc = 0;
