@@ -276,6 +276,22 @@ def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} balanced")
 
 
+@pytest.mark.parametrize("m,bt", [(1, 0), (97, 8), (97, 32), (1024, 0), (4097, 0), (4097, 160)])
+def test_route_multiblock_bit_identical(case, backend, monkeypatch, m, bt):
+    """Routing by route_count_kernel + route_scatter_kernel (chunks of 4096 routes; forced for
+    every call with EXPERTD_KERNEL_ROUTE_MULTI=1) computes route_kernel's bits."""
+    preset, _layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + bt)
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_MULTI", "0")
+    want = _run(backend, state, x, ids, w, bt=bt)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_MULTI", "1")
+    for _ in range(2):
+        got = _run(backend, state, x, ids, w, bt=bt)
+        assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: multi-block routing differs"
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
     """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; 2 by default at <= 8

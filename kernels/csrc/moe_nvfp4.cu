@@ -446,6 +446,116 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   tl_done(0);
 }
 
+// Large calls: the same routing as route_kernel in two kernels over chunks of kRouteChunk routes
+// (one block each), because one block streams topk_ids at one SM's rate (17 us at M = 4096, 60
+// at 16384 on the H200, with GEMM1 waiting on it).
+//   route_count_kernel    block b: its chunk's local experts parked in pos_of_route[r] (-1: not
+//                         local; one round of the two dependent loads per route), the chunk's
+//                         count per expert into hist[b][El].
+//   route_scatter_kernel  block b: every block's counts from hist (El x blocks ints), so each
+//                         block knows the padded offsets (warp 0's scan, as route_kernel), the
+//                         tile count and its own start inside each expert's run (the counts of
+//                         blocks before it); then its chunk's routes to their positions (in
+//                         order within the block by a shared-memory atomic: an expert's routes are
+//                         block-major, unlike route_kernel's order, but every route's output
+//                         depends on its own row only: the same bits). tile_expert, the padding's
+//                         -1 and num_tiles are split over the blocks.
+constexpr int kRouteChunk = 4096;  // routes per block (4 per thread)
+
+__global__ void __launch_bounds__(kRouteThreads) route_count_kernel(
+    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
+    int num_experts, int el, int* __restrict__ pos_of_route, int* __restrict__ hist) {
+  extern __shared__ int cnt[];
+  const int tid = threadIdx.x;
+  tl_mark(0, 0);
+  pdl_wait();  // the previous forward's finalize may still read pos_of_route
+  tl_mark(0, 1);
+  pdl_launch_dependents();
+  for (int i = tid; i < el; i += kRouteThreads) cnt[i] = 0;
+  __syncthreads();
+  const int r0 = blockIdx.x * kRouteChunk;
+  const int r1 = min(num_routes, r0 + kRouteChunk);
+  for (int r = r0 + tid; r < r1; r += kRouteThreads) {
+    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
+    pos_of_route[r] = e;  // parked for route_scatter_kernel
+    if (e >= 0) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  for (int i = tid; i < el; i += kRouteThreads) hist[static_cast<long long>(blockIdx.x) * el + i] = cnt[i];
+}
+
+__global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
+    int num_routes, int el, int bt, const int* __restrict__ hist, int* __restrict__ sorted_route,
+    int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
+  extern __shared__ int sm[];
+  int* cnt = sm;            // [El] the call's count per expert
+  int* off = sm + el;       // [El + 1] padded offsets
+  int* start = off + el + 1;  // [El] this block's first slot inside each expert's run
+  int* fill = start + el;   // [El]
+  const int tid = threadIdx.x, b = blockIdx.x, blocks = gridDim.x;
+  pdl_wait();  // route_count_kernel's counts and parked experts
+  pdl_launch_dependents();
+  for (int e = tid; e < el; e += kRouteThreads) {
+    int total = 0, before = 0;
+    for (int q = 0; q < blocks; ++q) {
+      const int v = hist[static_cast<long long>(q) * el + e];
+      if (q < b) before += v;
+      total += v;
+    }
+    cnt[e] = total;
+    start[e] = before;
+    fill[e] = 0;
+  }
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of the padded counts (as route_kernel)
+    const int c = (el + 31) / 32;
+    int sum = 0;
+    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += v;
+    }
+    int acc = incl - sum;
+    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) {
+      off[e] = acc;
+      acc += (cnt[e] + bt - 1) / bt * bt;
+    }
+    if (tid == 31) {
+      off[el] = incl;
+      if (b == 0) *num_tiles = incl / bt;
+    }
+  }
+  __syncthreads();
+  // The padding of expert e (slots off[e] + cnt[e] .. off[e + 1] - 1) by block e % blocks, and
+  // the tiles' experts split over the blocks.
+  for (int e = b; e < el; e += blocks)
+    for (int p = off[e] + cnt[e] + tid; p < off[e + 1]; p += kRouteThreads) sorted_route[p] = -1;
+  const int tiles = off[el] / bt;
+  for (int tile = b * kRouteThreads + tid; tile < tiles; tile += blocks * kRouteThreads) {
+    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt (empty experts share offsets)
+    const int p = tile * bt;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (off[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    tile_expert[tile] = lo;
+  }
+  const int r0 = b * kRouteChunk;
+  const int r1 = min(num_routes, r0 + kRouteChunk);
+  for (int r = r0 + tid; r < r1; r += kRouteThreads) {
+    const int e = pos_of_route[r];  // parked by route_count_kernel
+    int p = -1;
+    if (e >= 0) {
+      p = off[e] + start[e] + atomicAdd(&fill[e], 1);
+      sorted_route[p] = r;
+    }
+    pos_of_route[r] = p;
+  }
+  tl_done(0);
+}
+
 // ------------------------------------ 2./3. grouped GEMM -------------------------------------
 
 struct GemmArgs {
@@ -1548,6 +1658,18 @@ int route_balanced() {
 // dequantization reads; it does not model cp.async.mbarrier.arrive; the ordering argument is at
 // v8_tile). Session 5, 3 / 2: M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01:
 // 2 stays there.
+// Calls of at least this many routes are routed by route_count_kernel + route_scatter_kernel
+// (EXPERTD_KERNEL_ROUTE_MULTI=N; 0: never). Default 16384 (M = 2048 at top-8), a guess: not yet
+// timed on a GPU (branch route-multiblock, session 5).
+long long route_multi_min() {
+  const char* v = getenv("EXPERTD_KERNEL_ROUTE_MULTI");
+  if (v && v[0]) {
+    const long long n = atoll(v);
+    return n > 0 ? n : LLONG_MAX;
+  }
+  return 16384;
+}
+
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
@@ -1690,10 +1812,11 @@ struct Carve {
   uint16_t* act;
   uint16_t* z;
   float* partial;
+  int* route_hist;  // route_count_kernel's counts: [ceil(routes / kRouteChunk)][El]
   size_t bytes;
 };
 
-Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int inter) {
+Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int inter, int el) {
   Carve c;
   size_t o = 0;
   auto take = [&](size_t bytes) {
@@ -1709,6 +1832,8 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   c.act = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * (static_cast<size_t>(p.pcap) * inter + 8)));
   c.z = reinterpret_cast<uint16_t*>(take(sizeof(uint16_t) * (static_cast<size_t>(p.pcap) * h + 8)));
   c.partial = reinterpret_cast<float*>(take(sizeof(float) * (static_cast<size_t>(p.nparts) * p.pcap + 1)));
+  c.route_hist = reinterpret_cast<int*>(
+      take(sizeof(int) * (static_cast<size_t>((m * top_k + kRouteChunk - 1) / kRouteChunk) * el + 1)));
   c.bytes = o;
   return c;
 }
@@ -1969,7 +2094,7 @@ long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int 
     for (int path : {6, 8}) {
       if (!g1_rows_for(bt, path)) continue;
       Plan p = make_plan(m, top_k, h, el, bt, path);
-      Carve c = carve(nullptr, p, m, top_k, h, inter);
+      Carve c = carve(nullptr, p, m, top_k, h, inter, el);
       if (c.bytes > best) best = c.bytes;
     }
   return static_cast<long long>(best);
@@ -2037,7 +2162,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     path = 6;
     p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   }
-  const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter);
+  const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter, a.el);
   if (static_cast<long long>(c.bytes) > a.workspace_bytes)
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
@@ -2096,11 +2221,23 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                      dim3(DecShape::kThreads), DecShape::kSmemBytes, stream, d);
   }
 
-  if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
-                      sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                      a.num_experts, a.el, bt, route_balanced(), c.sorted_route,
-                      c.pos_of_route, c.tile_expert, c.num_tiles))
+  if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
+    const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
+    if (int rc = launch("route_count_kernel", route_count_kernel, dim3(blocks),
+                        dim3(kRouteThreads), sizeof(int) * a.el, stream, a.topk_ids, routes,
+                        a.local_of, a.num_experts, a.el, c.pos_of_route, c.route_hist))
+      return rc;
+    if (int rc = launch("route_scatter_kernel", route_scatter_kernel, dim3(blocks),
+                        dim3(kRouteThreads), sizeof(int) * (4 * a.el + 1), stream, routes, a.el,
+                        bt, static_cast<const int*>(c.route_hist), c.sorted_route,
+                        c.pos_of_route, c.tile_expert, c.num_tiles))
+      return rc;
+  } else if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
+                             sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes,
+                             a.local_of, a.num_experts, a.el, bt, route_balanced(),
+                             c.sorted_route, c.pos_of_route, c.tile_expert, c.num_tiles)) {
     return rc;
+  }
 
   int rc = 0;
   int alt = path == 6 ? decode_alt_for(bt, routes, a.h, a.inter) : 0;
