@@ -481,7 +481,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_count_kernel(
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  for (int i = tid; i < el; i += kRouteThreads) hist[static_cast<long long>(blockIdx.x) * el + i] = cnt[i];
+  for (int i = tid; i < el; i += kRouteThreads)
+    hist[static_cast<long long>(blockIdx.x) * el + i] = cnt[i];
 }
 
 __global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
