@@ -1649,6 +1649,19 @@ int route_balanced() {
   return v && v[0] == '1';
 }
 
+// Calls of at least this many routes are routed by route_count_kernel + route_scatter_kernel
+// (EXPERTD_KERNEL_ROUTE_MULTI=N; 0: never). Default 16384 (M = 2048 at top-8). H200, session
+// 6, route_kernel (one block) / the two kernels, alternating runs: M = 2048 1.008, 4096 1.015,
+// 8192 1.017, 16384 1.019; from 8192 routes (M = 1024) 0.999: no gain there.
+long long route_multi_min() {
+  const char* v = getenv("EXPERTD_KERNEL_ROUTE_MULTI");
+  if (v && v[0]) {
+    const long long n = atoll(v);
+    return n > 0 ? n : LLONG_MAX;
+  }
+  return 16384;
+}
+
 // The v8 ring of every call (v8_tile's RING; all four compute the same bits), from
 // EXPERTD_KERNEL_WG_RING: 0 the block barrier with a stage's copies issued before its math, 1 the
 // mbarrier ring, 2 the block barrier with the copies issued after the stage's wgmmas, 3 ring 2
@@ -1659,18 +1672,6 @@ int route_balanced() {
 // dequantization reads; it does not model cp.async.mbarrier.arrive; the ordering argument is at
 // v8_tile). Session 5, 3 / 2: M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01:
 // 2 stays there.
-// Calls of at least this many routes are routed by route_count_kernel + route_scatter_kernel
-// (EXPERTD_KERNEL_ROUTE_MULTI=N; 0: never). Default 16384 (M = 2048 at top-8), a guess: not yet
-// timed on a GPU (branch route-multiblock, session 5).
-long long route_multi_min() {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_MULTI");
-  if (v && v[0]) {
-    const long long n = atoll(v);
-    return n > 0 ? n : LLONG_MAX;
-  }
-  return 16384;
-}
-
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
