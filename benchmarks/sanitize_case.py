@@ -20,7 +20,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     cases = ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64), (150, 96))
     runs = (
-        (PRESETS["small"], (*cases, (260, 128), (300, 144), (340, 160), (700, 0))),  # BT 32 up: v8
+        # v8 from BT 32; M = 2100: 16800 routes, multi-block routing
+        (PRESETS["small"], (*cases, (260, 128), (300, 144), (340, 160), (700, 0), (2100, 0))),
         (Preset("k512", 512, 512, 64, 8), ((1, 0), (5, 8), (40, 8))),  # decode alternatives
     )
     backend = CudaBackend("cuda")
