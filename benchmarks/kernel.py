@@ -35,8 +35,6 @@ H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
 BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
 WG_BTS = (32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
-# v8 alternatives (EXPERTD_KERNEL_WG_ALT) and their BT
-WG_ALTS = {1: 32, 2: 48, 3: 32, 4: 32}
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -130,19 +128,6 @@ def parse_env(spec: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in spec.split(",") if kv)
 
 
-def _best_alt(path_us: dict) -> str:
-    """The fastest v8 alternative timed for a row, as 'us/v8a<id>', or '-'."""
-    alts = {
-        k: v
-        for k, v in path_us.items()
-        if k[:6] == "v8_alt" and "_" not in k[6:] and isinstance(v, float)
-    }
-    if not alts:
-        return "-"
-    name = min(alts, key=alts.get)
-    return f"{alts[name]:.0f}/{name[:2]}a{name[6:]}"
-
-
 @contextlib.contextmanager
 def env_set(env: dict[str, str]):
     """os.environ with `env` applied inside the block, restored after (the kernel library reads
@@ -219,18 +204,15 @@ def main() -> int:
     ap.add_argument("--pdl-ab-max", type=int, default=0, help="time graphs without PDL too")
     ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time every path forced")
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
-    ap.add_argument("--alt-max", type=int, default=128, help="time the decode alternatives")
-    ap.add_argument("--wg-alt", action="store_true", help="time the v8 alternatives")
     ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
     ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
-    ap.add_argument("--alt-rings", default="", help="--wg-alt: also under these v8 rings")
     ap.add_argument(
         "--variant", action="append", default=[], help="NAME:K=V,K=V, timed to --path-ab-max"
     )
     ap.add_argument("--paths", default="6,8", help="forced paths timed up to --path-ab-max")
-    ap.add_argument("--rings", default="0,1,2", help="v8 ring variants (EXPERTD_KERNEL_WG_RING)")
+    ap.add_argument("--rings", default="", help="v8 rings 2 / 3 forced (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
     ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
     ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
@@ -317,8 +299,8 @@ def main() -> int:
             for spec in args.variant:  # --variant NAME:K=V,K=V (any kernel switches)
                 name, _, env = spec.partition(":")
                 variants[name] = parse_env(env)
-            if pick_bt(m, TOP_K, E) >= 32:  # v8 rings: 0 block barrier, 1 mbarriers, 2 late
-                for ring in args.rings.split(","):  # copies (moe_nvfp4.cu)
+            if pick_bt(m, TOP_K, E) >= 32:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
+                for ring in args.rings.split(","):
                     if ring:
                         variants["v8ring" + ring] = {
                             "EXPERTD_KERNEL_PATH": "8",
@@ -341,19 +323,6 @@ def main() -> int:
             for r in args.grid_rows.split(","):
                 if r:
                     variants[f"rows{r}"] = {"EXPERTD_KERNEL_GRID_ROWS": r}
-        if m <= args.alt_max:  # v6 decode alternatives 1, 2 (BT = 8 calls; moe_nvfp4.cu)
-            variants["v6_alt1"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "1"}
-            variants["v6_alt2"] = {"EXPERTD_KERNEL_PATH": "6", "EXPERTD_KERNEL_DECODE_ALT": "2"}
-        if args.wg_alt and m >= 64:  # v8 alternatives for the BT the call picks (moe_nvfp4.cu)
-            for alt, bt in WG_ALTS.items():
-                if bt == pick_bt(m, TOP_K, E):
-                    env = {"EXPERTD_KERNEL_PATH": "8", "EXPERTD_KERNEL_WG_ALT": str(alt)}
-                    variants[f"v8_alt{alt}"] = env
-                    for ring in filter(None, args.alt_rings.split(",")):  # and under other rings
-                        variants[f"v8_alt{alt}_ring{ring}"] = {
-                            **env,
-                            "EXPERTD_KERNEL_WG_RING": ring,
-                        }
         path_us = {}
         v6_out = None
         for vname, env in variants.items():
@@ -372,10 +341,10 @@ def main() -> int:
                 path_us[vname + "_equal_default"] = bool(torch.equal(out0, graphs[0].replay()))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in ("v6_alt2", "v6_alt6", "v6_alt11") or vname.startswith("v8"):
+            elif vname in ("v6_alt6", "v6_alt11") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v9, v6_alt0/1/7 must reproduce v6 (BT 8: alt 7) bit for bit
+            else:  # same arithmetic: v9, v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
         # The default again after the variants: identical graphs time 3-10% apart within one run
@@ -474,7 +443,7 @@ def main() -> int:
         "; v6/v8/v9 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8} {'best alt':>8}"
+    head += f" {'v6 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -487,7 +456,6 @@ def main() -> int:
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
             f"{r['path_us'].get('v9', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
-            f"{_best_alt(r['path_us']):>8} "
             f"{r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
         )
@@ -529,7 +497,7 @@ def main() -> int:
                 )
             )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
-    print("v9, v6_alt1 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
+    print("v9, v6_alt0 / 7 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
     print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:

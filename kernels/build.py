@@ -17,11 +17,9 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PATH     6, 8 or 9: force one GEMM path where the tile size has it (default:
                             v8 (wgmma) from BT 32, v6 below; 9: the fused decode kernel, BT 8
                             calls of <= 64 routes, an experiment)
-    EXPERTD_KERNEL_WG_ALT   v8 experiment: configuration alternative id (moe_nvfp4.cu; 0)
-    EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 0 block barrier, copies before the math; 1
-                            mbarriers, no block barrier (experiment); 2 block barrier, copies
-                            after the stage's wgmmas; 3 ring 2 with the next unit dequantized
-                            under the current unit's wgmmas. Default: 3 from BT 96, 2 below
+    EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 2 block barrier, copies after the stage's
+                            wgmmas; 3 ring 2 with the next unit dequantized under the current
+                            unit's wgmmas. Default: 3 from BT 96, 2 below
     EXPERTD_KERNEL_ROUTE_BALANCE       1: fill an expert's tiles round-robin (same bits; an
                                        experiment); default: in order
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:

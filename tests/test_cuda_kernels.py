@@ -100,17 +100,15 @@ def test_forward_matches_reference(case, backend, path, m):
 
 
 @pytest.mark.parametrize(
-    "path,bt,alt",
-    [(6, bt, 0) for bt in (8, 16, 24, 32, 48, 64)]
-    + [(8, bt, 0) for bt in (32, 48, 64, 96, 128, 144, 160)]
-    + [(8, 32, 1), (8, 48, 2), (8, 32, 3), (8, 32, 4)]
-    + [(9, 8, 0)],
+    "path,bt",
+    [(6, bt) for bt in (8, 16, 24, 32, 48, 64)]
+    + [(8, bt) for bt in (32, 48, 64, 96, 128, 144, 160)]
+    + [(9, 8)],
 )
-def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt, alt):
-    # v6 for the mma.sync tiles, v8 for the wgmma ones and its alternatives,
+def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
+    # v6 for the mma.sync tiles, v8 for the wgmma ones,
     # v9 (fused decode; at M = 97 the call is too large for it, so v6 runs: test_v9_* cover it)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", str(path))
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_ALT", str(alt))
     preset, layer, state = case
     m = 97
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=11)
@@ -119,7 +117,7 @@ def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt, alt):
     _check(
         _run(backend, state, x, ids, w, bt=bt),
         _reference((preset.name, "bt"), layer, x, ids, w),
-        f"{preset.name} bt={bt} v{path} alt={alt}",
+        f"{preset.name} bt={bt} v{path}",
     )
 
 
@@ -236,12 +234,10 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
         assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
 
 
-@pytest.mark.parametrize("ring", ["1", "2", "3"])
 @pytest.mark.parametrize("bt", [32, 48, 64, 96, 128, 144, 160])
-def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
-    """v8 with the mbarrier ring (1: no block barrier per stage), the late copies (2) or the
-    dequantization under the wgmmas (3) computes the block-barrier ring's sums: the same bits,
-    at every tile size, tiles of several widths."""
+def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
+    """v8 with the dequantization under the wgmmas (ring 3) computes the block-barrier ring's
+    (2) sums: the same bits, at every tile size, tiles of several widths, repeated calls."""
     preset, layer, state = case
     m = 150
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt)
@@ -249,13 +245,13 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt, ring):
     x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 1))
     x = x.to(torch.bfloat16).cuda()
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "0")
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "2")
     want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", ring)
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "3")
     for _ in range(3):
         got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} BT {bt}: ring {ring} differs from v8"
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring {ring}")
+        assert torch.equal(got, want), f"{preset.name} BT {bt}: ring 3 differs from ring 2"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring 3")
 
 
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])

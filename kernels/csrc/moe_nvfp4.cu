@@ -124,42 +124,19 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(144, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
   X(160, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)
 
-// v8 alternatives (EXPERTD_KERNEL_WG_ALT=id, calls of their BT only). Benchmark experiments:
-//   id | BT | GEMM1 NWG WM KG ST MB | GEMM2 ... | question
-//    1 | 32 |        2  2  1  6  2  | same      | 256 rows per token tile: half the L2 -> SM
-//      |    |                       |           |   token traffic (at M = 256 the token tiles
-//      |    |                       |           |   moved as many bytes as the weights)
-//    2 | 48 |        2  2  1  5  2  | same      | the same at M ~ 1024
-//    3 | 32 |        4  1  2  4  1  | same      | 256 rows as 4 warpgroups, 1 block per SM
-//    4 | 32 |        2  1  2  4  3  | same      | 8 k-steps per stage, 3 blocks per SM (the
-//      |    |                       |           |   default until the H200 run of alt 4 = now
-//      |    |                       |           |   the default: 2-5% slower at M = 128-512)
-// Tried and dropped (session 5, H200, timed in alternating runs against the default; ncu at M =
-// 1024 had shown the tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM): KG 1 / ST 6
-// with 3 blocks per SM at BT 32 and 48, KG 1 / ST 5 with 4 blocks per SM at BT 32: 5-23% slower
-// at M = 128-1024, under ring 2 and ring 3 alike. More warps per SM do not help there. BT 96
-// with KG 1 / ST 5 (ring 3 copies 3 stages of 4 k-steps ahead, not 1 of 8): 1.06 at M = 2048.
-// Tried (H200, NOTES.md): KG 1 / ST 6 at BT 64 (within the spread); the next stage dequantized
-// under the current stage's wgmmas (a second A register set moved in after the wait): 2-6%
-// faster from M = 2048, none below, and one configuration (BT 48, KG 1) gave non-finite outputs
-// on muse-spark; dropped. KG 4 / ST 3 at BT 32 was within the spread before the token copies
-// and descriptors were hoisted, 2-5% ahead after: now the default.
-#define EXPERTD_FOR_EACH_WG_ALT(X)         \
-  X(1, 32, 2, 2, 1, 6, 2, 2, 2, 1, 6, 2)    \
-  X(2, 48, 2, 2, 1, 5, 2, 2, 2, 1, 5, 2)    \
-  X(3, 32, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)    \
-  X(4, 32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)
+// Tried and dropped (sessions 3-5, H200, timed in alternating runs against the default; the
+// switches that ran them were removed in session 6, NOTES.md): 256 weight rows per token tile
+// (WM 2 at BT 32 / 48, or 4 warpgroups, 1 block per SM), KG 2 / ST 4 with 3 blocks per SM at BT
+// 32 (2-5% slower at M = 128-512), KG 1 / ST 6 with 3 blocks per SM at BT 32 and 48, KG 1 / ST 5
+// with 4 blocks per SM at BT 32: 5-23% slower at M = 128-1024 (ncu at M = 1024 had shown the
+// tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM: more warps per SM do not help
+// there). BT 96 with KG 1 / ST 5: 1.06 at M = 2048. KG 1 / ST 6 at BT 64: within the spread.
 
-// Alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
-// table above). Experiments, not picked by default: the benchmark times them beside the default
-// so the next change starts from measurements. GEMM2 keeps the rows per block of the main
-// config of its BT (the partial-sum layout depends on it).
+// Decode alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
+// table above): the default for BT 8 and 16 calls where H and I are multiples of 512 (below).
+// GEMM2 keeps the rows per block of the main config of its BT (the partial-sum layout depends on
+// it).
 //   id | BT | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
-//    1 |  8 |        1  2  4  4  6 |        1  2  4  4  6 | 32-row GEMM1 blocks (256 items per
-//      |    |                      |                      |   expert, 4 blocks per SM, 8 warps
-//      |    |                      |                      |   per barrier instead of 16)
-//    2 |  8 |        1  4  2  4  6 |        1  2  2  4  6 | 2 k-groups per warp between barriers
-//    3 | 24 |        1  4  2  4  3 |        1  4  2  4  3 | the same at BT = 24 (3 blocks per SM)
 //    6 |  8 |        1  2  8  8  4 |        1  2  8  8  4 | split-K over 8 warps (BK 512: H and I
 //      |    |                      |                      |   multiples of 512): twice the warps
 //      |    |                      |                      |   per SM at M = 1. On v6 (H200,
@@ -181,11 +158,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
 // from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
 // Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
-// in flight): 3-25% slower; 32-warp GEMM1 blocks with split-K 8: 1-24% slower.
+// in flight): 3-25% slower; 32-warp GEMM1 blocks with split-K 8: 1-24% slower. Alternatives 1-3
+// (32-row GEMM1 blocks at BT 8; 2 k-groups per warp between barriers at BT 8 and 24; never
+// ahead of 7) were removed in session 6.
 #define EXPERTD_FOR_EACH_DECODE_ALT(X) \
-  X(1, 8, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)  \
-  X(2, 8, 1, 4, 2, 4, 6, 1, 2, 2, 4, 6)  \
-  X(3, 24, 1, 4, 2, 4, 3, 1, 4, 2, 4, 3) \
   X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)  \
   X(7, 8, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)  \
@@ -1119,32 +1095,6 @@ __device__ __forceinline__ void issue_unit(uint32_t (&af)[WM][U][4], float (&acc
   wgmma_commit();
 }
 
-// mbarrier helpers (v8 with RING = true). A phase completes after `count` arrivals; a waiter
-// passes the parity of the phase it waits for.
-__device__ __forceinline__ void mbar_init(uint32_t addr, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t addr) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
-}
-// One arrival on the mbarrier once all of this thread's earlier cp.async copies have landed.
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-// Generic-proxy writes (cp.async) made visible to the async proxy (wgmma's shared operand).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // One work item (tile x n-block) with wgmma width N <= BT: the tile's first N rows (its valid
 // routes rounded up to 16; the rest is padding whose accumulators stay 0). Warp w owns m-tiles
 // mt0 + w WM + j for all of K. Per stage each warp dequantizes its A fragments into registers,
@@ -1154,19 +1104,12 @@ __device__ __forceinline__ void fence_proxy_async() {
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING 2 (the default below BT 96; ring 3, its pipelined form, from 96): the block-barrier ring
-// with a stage's copies issued after its wgmmas, not before its dequantization (the math starts
-// right at the barrier; the slot refilled is stage kt - 1's, which the barrier already freed).
-// RING 1 (an experiment): no block barrier per stage.
-// Why 1 is race-free: a warp refills a slot only after waiting "empty" for that slot's previous
-// stage, whose phase completes after every warp's lane 0 arrived behind __syncwarp and its
-// wgmma wait (all its reads done; arrive releases, the wait acquires); "full" completes only
-// when every thread's copies landed (cp.async.mbarrier.arrive); a waiter is never two phases
-// behind (it cannot refill or pass "full" before every warp finished the stage before). Each ring
-// slot has a "full" mbarrier (every thread arrives through cp.async.mbarrier.arrive once its
-// copies of the slot's stage landed) and an "empty" one (each warp arrives once its wgmmas of
-// the slot finished); a warp refills the slot of stage kt - 1 only after every warp is done with
-// it, after computing stage kt itself. Same copies, dequantization and wgmmas: v8's bits.
+// RING 2 (the default below BT 96): the block-barrier ring with a stage's copies issued after its
+// wgmmas, not before its dequantization (the math starts right at the barrier; the slot refilled
+// is stage kt - 1's, which the barrier already freed). RING 3 (from BT 96): ring 2 pipelined, the
+// next unit dequantized under the current unit's wgmmas. Both compute the same bits. (Rings 0,
+// copies before the math, and 1, mbarriers instead of the block barrier, were removed in session
+// 6: slower or racecheck-unclear; NOTES.md.)
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, int RING>
 __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
                                         const int e, const int (&row_off)[BT],
@@ -1243,8 +1186,9 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   uint32_t af[WM][4 * KG][4];
   const uint64_t desc_base = smem_desc_sw128(smem0);
 
+  static_assert(RING == 2 || RING == 3, "v8 rings: 2 and 3");
   if constexpr (RING == 3) {
-    // Ring 3 (experiment): each warp dequantizes the next unit into the other register set while
+    // Ring 3: each warp dequantizes the next unit into the other register set while
     // the current unit's wgmmas run (no wgmma input register is written while wgmmas that read
     // it are in flight, and every wait is wait_group 0). Copies run ST - 2 stages ahead: at the
     // barrier between stages kt and kt + 1 a warp's last unit of kt may still be in flight, so
@@ -1292,39 +1236,6 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       }
     }
     cp_async_wait<0>();
-  } else if constexpr (RING == 1) {
-    __shared__ __align__(8) unsigned long long bars[2 * ST];  // full[ST], then empty[ST]
-    const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * ST;
-    if (tid == 0)
-      for (int s = 0; s < ST; ++s) {
-        mbar_init(full0 + 8 * s, T);
-        mbar_init(empty0 + 8 * s, S::kWarps);
-      }
-    __syncthreads();
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s)
-      if (s < kt_count) {
-        load_stage(s, s);
-        cp_async_mbar_arrive(full0 + 8 * s);
-      }
-    for (int kt = 0; kt < kt_count; ++kt) {
-      const int slot = kt % ST;
-      mbar_wait(full0 + 8 * slot, (kt / ST) & 1);  // every thread's copies of stage kt landed
-      fence_proxy_async();
-      const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
-      dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
-      issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
-      wgmma_wait<0>();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * slot);
-      const int next = kt + ST - 1;  // into the slot of stage kt - 1, once all warps left it
-      if (next < kt_count) {
-        const int ns = next % ST;
-        if (kt >= 1) mbar_wait(empty0 + 8 * ns, ((kt - 1) / ST) & 1);
-        load_stage(ns, next);
-        cp_async_mbar_arrive(full0 + 8 * ns);
-      }
-    }
   } else {
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
@@ -1335,18 +1246,13 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       cp_async_wait<ST - 2>();
       __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
       const int next = kt + ST - 1;  // into the slot of stage kt - 1
-      if constexpr (RING == 0) {
-        if (next < kt_count) load_stage(next % ST, next);
-        cp_async_commit();
-      }
       const int slot = kt % ST;
       const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
       dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
       issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
-      if constexpr (RING == 2) {  // the copies after this stage's math: it starts at the barrier
-        if (next < kt_count) load_stage(next % ST, next);
-        cp_async_commit();
-      }
+      // The copies after this stage's math: it starts right at the barrier.
+      if (next < kt_count) load_stage(next % ST, next);
+      cp_async_commit();
       wgmma_wait<0>();  // this stage's slot and the A registers are free again
     }
     cp_async_wait<0>();
@@ -1662,37 +1568,23 @@ long long route_multi_min() {
   return 16384;
 }
 
-// The v8 ring of every call (v8_tile's RING; all four compute the same bits), from
-// EXPERTD_KERNEL_WG_RING: 0 the block barrier with a stage's copies issued before its math, 1 the
-// mbarrier ring, 2 the block barrier with the copies issued after the stage's wgmmas, 3 ring 2
-// with the next unit dequantized under the current unit's wgmmas (copies ST - 2 stages ahead).
-// Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2 / 0: M = 256
-// 0.99, 1024 1.00, 2048 0.96, 4096-16384 0.91-0.93; 1 / 0: 2048 0.91, 4096-16384 0.95-0.97,
-// 1024 1.04 (not the default: racecheck reports hazards on 1 between the cp.async writes and the
-// dequantization reads; it does not model cp.async.mbarrier.arrive; the ordering argument is at
-// v8_tile). Session 5, 3 / 2: M = 2048 0.93, 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01:
-// 2 stays there.
+// The v8 ring of every call (v8_tile's RING; both compute the same bits), from
+// EXPERTD_KERNEL_WG_RING (2 or 3): 2 the block barrier with the copies issued after the stage's
+// wgmmas, 3 ring 2 with the next unit dequantized under the current unit's wgmmas (copies ST - 2
+// stages ahead). Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2
+// against the removed ring 0 (copies before the math): M = 256 0.99, 1024 1.00, 2048 0.96,
+// 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
+// 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
+// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
-  if (v && v[0]) return v[0] == '1' ? 1 : v[0] == '0' ? 0 : v[0] == '3' ? 3 : 2;
+  if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
   return bt >= 96 ? 3 : 2;
 }
 
-// v8 experiment: EXPERTD_KERNEL_WG_ALT=id runs calls of the alternative's BT on it.
-int wg_alt() {
-  const char* v = getenv("EXPERTD_KERNEL_WG_ALT");
-  return (v && v[0]) ? atoi(v) : 0;
-}
-
-// Weight rows per block of GEMM1 / GEMM2 for a tile size and path (the v8 / v9 alternative's
-// when one is set for this BT); 0 = not compiled.
+// Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
 int g2_rows_for(int bt, int path) {
   if (path == 8) {
-    const int alt = wg_alt();
-#define EXPERTD_WG_ALT_G2ROWS(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (alt == ID && bt == BT) return 64 * G2 * W2;
-    EXPERTD_FOR_EACH_WG_ALT(EXPERTD_WG_ALT_G2ROWS)
-#undef EXPERTD_WG_ALT_G2ROWS
 #define EXPERTD_WG_G2ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
   if (bt == BT) return 64 * G2 * W2;
     EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G2ROWS)
@@ -1971,20 +1863,11 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  switch (wg_ring(BT)) {
-    case 0:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>(g1, g2, t_max, mt1,
-                                                                           mt2, stream);
-    case 1:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>(g1, g2, t_max, mt1,
-                                                                           mt2, stream);
-    case 3:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, t_max, mt1,
-                                                                           mt2, stream);
-    default:
-      return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1,
-                                                                           mt2, stream);
-  }
+  if (wg_ring(BT) == 3)
+    return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, t_max, mt1, mt2,
+                                                                         stream);
+  return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1, mt2,
+                                                                       stream);
 }
 
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
@@ -2000,9 +1883,7 @@ bool set_smem_attrs_v8_ring() {
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2>
 int set_smem_attrs_v8() {
-  if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 0>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 1>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
+  if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
       !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
     return check_launch("cudaFuncSetAttribute (v8)");
   return 0;
@@ -2119,10 +2000,6 @@ int expertd_init(void) {
   if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
 #undef EXPERTD_INIT_WG
-#define EXPERTD_INIT_WG_ALT(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
-  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_INIT_WG_ALT)
-#undef EXPERTD_INIT_WG_ALT
   if (cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            DecShape::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute (v9)");
@@ -2248,21 +2125,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
 #undef EXPERTD_ALT_MATCH
   bool launched = false;
-  int walt = path == 8 ? wg_alt() : 0;
-#define EXPERTD_WG_ALT_MATCH(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (walt == ID && bt != BT) walt = 0;
-  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_WG_ALT_MATCH)
-#undef EXPERTD_WG_ALT_MATCH
-#define EXPERTD_DISPATCH_WG_ALT(ID, BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)              \
-  if (path == 8 && walt == ID && bt == BT) {                                                \
-    launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
-                                                                     a.inter, stream);      \
-  }
-  EXPERTD_FOR_EACH_WG_ALT(EXPERTD_DISPATCH_WG_ALT)
-#undef EXPERTD_DISPATCH_WG_ALT
 #define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
-  if (path == 8 && !walt && bt == BT) {                                                     \
+  if (path == 8 && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
                                                                      a.inter, stream);      \
