@@ -1,0 +1,450 @@
+// Microbenchmark: throughput of Hopper's register-A warpgroup MMA (wgmma "RS" form:
+// A = bf16 fragments in registers, B = bf16 tile in shared memory) at small N, alone and with
+// ALU work interleaved the way the v8 GEMM (kernels/csrc/moe_nvfp4.cu, v8_tile ring 3) does it.
+//
+// Question it answers: at N = 16..160, how close to the dense bf16 tensor peak can a stream of
+// wgmma.mma_async m64nNk16 (4 k-steps per commit group, wait_group 0 after every group) get,
+// and how much of that survives when every warp also spends ALU ops per 8 A values producing
+// the A registers of its next group (v8 dequantizes FP4 with ~15 LOP3/SHF/HMUL2 ops per 8).
+// If v8 at N = 32-64 runs near the "ALU = 16" rate measured here, it is tensor/issue bound, not
+// dequant or memory bound.
+//
+// Build and run (sm_90a only):
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels/csrc \
+//        -o $OUT/wgmma_rs benchmarks/wgmma_rs.cu && $OUT/wgmma_rs
+// Output: one line per case, two summary tables, JSON lines in $OUT/wgmma_rs.json (OUT: /tmp).
+//
+// What one warpgroup does (kernel `bench`): a loop of ITER "units"; a unit is 4 wgmmas
+// (k-steps 0..3 of one 64-k group of the B tile) into one accumulator set, one commit group,
+// then wgmma.wait_group 0. With ALU > 0 there are two A register sets: the unit issued on set
+// X runs while the warp computes set Y (ALU ops per k-step per thread, from Y's previous
+// values), then the wait, then the sets swap. No instruction writes a register that an
+// in-flight wgmma reads (ptxas would serialize the wgmmas: warning C7513).
+// Resident warpgroups per SM: 1 (1 block x 1 WG), 2 (1 x 2) or 4 (2 x 2); the block count per
+// SM is forced by the dynamic shared-memory request, and checked from %smid.
+// Two rates are reported: TFLOP/s from cudaEvent time (includes launch + tail), and tensor
+// utilization = flops per SM / (SM clock cycles spent by its blocks, from clock64) / 4096,
+// which does not depend on the clock the GPU happened to run at.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "wgmma.cuh"
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,                  \
+                   cudaGetErrorString(e_));                                            \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace {
+
+// ------------------------------------ wgmma plumbing --------------------------------------
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int K>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(K) : "memory");
+}
+
+// Empty volatile asm that pretends to modify v: code producing v stays before it, code
+// consuming v after it, in program order relative to the other volatile asm (the wgmma ops).
+__device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+// Same encoding as smem_desc_sw128 in moe_nvfp4.cu: K-major bf16 tile, 128-byte swizzle, one row
+// (N index) per 128 bytes = 64 k, 8-row atoms of 1024 bytes (stride byte offset 64 << 4),
+// leading byte offset 1 (unused), layout type 1 = SWIZZLE_128B (bits 62-63).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ------------------------------------ ALU work ------------------------------------------
+// Each helper is one PTX instruction that ptxas maps to one SASS instruction (SHF.L.W, LOP3,
+// HMUL2.BF16). Non-volatile asm: ptxas schedules them freely, but cannot fold them away.
+
+__device__ __forceinline__ uint32_t rotl(uint32_t x, uint32_t s) {
+  uint32_t d;
+  asm("shf.l.wrap.b32 %0, %1, %1, %2;\n" : "=r"(d) : "r"(x), "r"(s));
+  return d;
+}
+template <int LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Sign bit 15 and bits 6-8 of each bf16 half: like v8's E2M1 unpack, the masked value times
+// 2^126 (the scale below) is an E2M1 value (0, 0.5, ..., 6, signed), so A stays finite.
+constexpr uint32_t kMask = 0x81C081C0u;
+constexpr uint32_t kScale = 0x7E807E80u;  // bf16x2 {2^126, 2^126}
+
+// One new A register from P dependent ops (P = ALU / 4, so ALU ops per 4 registers = per k-step
+// = per 8 bf16 values of this thread): P - 2 alternating SHF (rotate) / LOP3 (xor3 with a
+// constant), then LOP3 (x ^ ~w) & mask, then HMUL2 by the scale. P = 4 (ALU = 16) is close to
+// v8's dequant mix (11 LOP3/SHF + 4 HMUL2 per k-step, plus its shared-memory loads, absent here).
+// u, v, w: three registers of the previous contents of the same set and k-step, so every chain
+// depends on the loop (nothing can be hoisted) and no two ops fuse into one LOP3.
+template <int P, int C>
+__device__ __forceinline__ uint32_t alu_chain(uint32_t u, uint32_t v, uint32_t w, uint32_t scale) {
+  uint32_t x = u;
+#pragma unroll
+  for (int j = 0; j < P - 2; ++j) {
+    if (j % 2 == 0)
+      x = rotl(x, 3u + 2u * C + 5u * j);
+    else
+      x = lop3<0x96>(x, v, 0x9E3779B9u * (j + 4 * C + 1));  // x ^ v ^ K
+  }
+  x = lop3<0x82>(x, w, kMask);  // (x ^ ~w) & mask
+  return hmul2(x, scale);
+}
+
+// Recompute one A register set (4 k-steps x 4 registers) from its previous values with ALU ops
+// per k-step. Called right after the other set's unit was committed and before its wait, so the
+// ops overlap the wgmmas in flight; the pins keep them between the commit and the wait.
+template <int ALU>
+__device__ __forceinline__ void refill(uint32_t (&a)[4][4], uint32_t scale) {
+  constexpr int P = ALU / 4;
+  static_assert(ALU % 4 == 0 && P >= 2, "ALU: 8, 12, 16, ... ops per k-step");
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) pin(a[ks][c]);
+  uint32_t n[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    n[ks][0] = alu_chain<P, 0>(a[ks][0], a[ks][1], a[ks][2], scale);
+    n[ks][1] = alu_chain<P, 1>(a[ks][1], a[ks][2], a[ks][3], scale);
+    n[ks][2] = alu_chain<P, 2>(a[ks][2], a[ks][3], a[ks][0], scale);
+    n[ks][3] = alu_chain<P, 3>(a[ks][3], a[ks][0], a[ks][1], scale);
+  }
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      a[ks][c] = n[ks][c];
+      pin(a[ks][c]);
+    }
+}
+
+// One unit: the 4 k-steps of a 64-k group, each m64nNk16 with A = a[ks], B = rows 0..N-1 of the
+// tile at k 16 ks (descriptor start + 32 bytes per k-step), all into acc; one commit group.
+template <int N>
+__device__ __forceinline__ void issue_unit(uint32_t (&a)[4][4], float (&acc)[N / 2], uint64_t desc0) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) pin(a[ks][c]);
+  wg_fence();  // A registers (written by ordinary instructions) before the wgmmas read them
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) Wgmma<N>::mma(acc, a[ks], desc0 + ((ks * 32) >> 4));
+  wg_commit();
+}
+
+struct Args {
+  float* out;      // one value per thread (keeps the accumulators live)
+  long long* rec;  // per block: clock64 at loop start, at loop end, %smid
+  int iters;       // units per warpgroup (even)
+  uint32_t scale;  // kScale, passed at run time so nothing folds
+};
+
+// N: wgmma width (B tile rows). ALU: 0 (wgmma only) or ALU ops per k-step per thread.
+// Up to 2 warpgroups per block (blockDim 128 or 256). N <= 128: <= 128 registers, so 2 blocks
+// (4 WG) fit per SM. N = 160 with ALU work needs ~140 (80 accumulators + 2 x 16 A + chain
+// temporaries): capped at 128 it spills, so it gets 1 block per SM and 4 WG/SM is skipped.
+template <int N, int ALU>
+__global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms: 1024-byte aligned
+  __nv_bfloat16* b = reinterpret_cast<__nv_bfloat16*>(smem_raw + (base - raw));
+  // B tile: N rows x 64 k, small values (the swizzle only permutes them; contents don't matter).
+  for (int i = threadIdx.x; i < N * 64; i += blockDim.x)
+    b[i] = __float2bfloat16(static_cast<float>((i * 37) % 13 - 6) * (1.0f / 64.0f));
+  // Generic-proxy stores, read by wgmma through the async proxy.
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const uint64_t desc0 = desc_sw128(base);
+  const uint32_t scale = args.scale;
+
+  // Two A sets with E2M1-like values that differ per thread, k-step and register.
+  uint32_t a0[4][4], a1[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint32_t s = threadIdx.x * 0x9E3779B1u + ks * 0x85EBCA77u + c * 0xC2B2AE3Du;
+      a0[ks][c] = hmul2(s & kMask, scale);
+      a1[ks][c] = hmul2((s * 0x27D4EB2Fu) & kMask, scale);
+    }
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+
+  const long long t0 = clock64();
+  for (int it = 0; it < args.iters; it += 2) {
+    if constexpr (ALU == 0) {
+      // Pure tensor stream: same A set every unit, wait_group 0 after each unit (as v8).
+      issue_unit<N>(a0, acc, desc0);
+      wg_wait<0>();
+      issue_unit<N>(a0, acc, desc0);
+      wg_wait<0>();
+    } else {
+      // Ring of two A sets: issue on one, compute the other under the wgmmas, wait, swap.
+      issue_unit<N>(a0, acc, desc0);
+      refill<ALU>(a1, scale);
+      wg_wait<0>();
+      issue_unit<N>(a1, acc, desc0);
+      refill<ALU>(a0, scale);
+      wg_wait<0>();
+    }
+  }
+  __syncthreads();
+  const long long t1 = clock64();
+
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s += acc[i];
+  uint32_t x = 0;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x ^= a0[ks][c] ^ (ALU > 0 ? a1[ks][c] : 0u);
+  args.out[blockIdx.x * blockDim.x + threadIdx.x] = s + static_cast<float>(x & 1u);
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    args.rec[blockIdx.x * 3 + 0] = t0;
+    args.rec[blockIdx.x * 3 + 1] = t1;
+    args.rec[blockIdx.x * 3 + 2] = sm;
+  }
+}
+
+// ------------------------------------ host ----------------------------------------------
+
+using Kernel = void (*)(Args);
+struct Inst {
+  int n, alu;
+  Kernel k;
+};
+
+template <int N>
+void add_n(std::vector<Inst>& v) {
+  v.push_back({N, 0, bench<N, 0>});
+  v.push_back({N, 8, bench<N, 8>});
+  v.push_back({N, 16, bench<N, 16>});
+  v.push_back({N, 32, bench<N, 32>});
+}
+
+struct Layout {
+  int wg_per_block, blocks_per_sm;
+};
+constexpr Layout kLayouts[] = {{1, 1}, {2, 1}, {2, 2}};  // 1, 2, 4 warpgroups per SM
+constexpr int kReps = 5;
+constexpr double kTargetCycles = 4.0e6;  // per SM at the ideal rate: ~2 ms per launch
+
+struct Result {
+  int n, alu, wgps;
+  bool ran;
+  double ms_med, ms_min, tflops, flop_clk, mhz;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  int dev = 0;
+  CK(cudaSetDevice(dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  int clock_khz = 0;  // cudaDeviceProp::clockRate is gone in CUDA 13: same value, as an attribute
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
+  if (prop.major != 9) {
+    std::fprintf(stderr, "needs sm_90 (Hopper), got sm_%d%d\n", prop.major, prop.minor);
+    return 1;
+  }
+  const int sms = prop.multiProcessorCount;
+  const double peak = sms * 4096.0 * clock_khz * 1e3 / 1e12;  // dense bf16, TFLOP/s
+  std::printf("device: %s, %d SMs, max SM clock %.0f MHz (cudaDevAttrClockRate)\n", prop.name, sms,
+              clock_khz / 1e3);
+  std::printf("dense bf16 peak: %.1f TFLOP/s = %d SMs x 4096 flop/clk x %.0f MHz "
+              "(NVIDIA's H200 figure: ~989 TFLOP/s)\n",
+              peak, sms, clock_khz / 1e3);
+
+  const char* out_env = std::getenv("OUT");
+  const std::string out_dir = out_env && *out_env ? out_env : "/tmp";
+  const std::string json_path = out_dir + "/wgmma_rs.json";
+  FILE* js = std::fopen(json_path.c_str(), "w");
+  if (!js) {
+    std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
+    return 1;
+  }
+  std::fprintf(js,
+               "{\"device\":\"%s\",\"sms\":%d,\"clock_khz\":%d,\"peak_tflops\":%.2f,"
+               "\"nominal_peak_tflops\":989}\n",
+               prop.name, sms, clock_khz, peak);
+
+  std::vector<Inst> insts;
+  add_n<16>(insts);
+  add_n<32>(insts);
+  add_n<48>(insts);
+  add_n<64>(insts);
+  add_n<96>(insts);
+  add_n<128>(insts);
+  add_n<160>(insts);
+
+  const int max_blocks = sms * 2;
+  float* d_out = nullptr;
+  long long* d_rec = nullptr;
+  CK(cudaMalloc(&d_out, sizeof(float) * max_blocks * 256));
+  CK(cudaMalloc(&d_rec, sizeof(long long) * max_blocks * 3));
+  std::vector<long long> rec(max_blocks * 3);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+
+  std::vector<Result> results;
+  std::printf("\n%4s %4s %6s %7s %8s %9s %7s %10s %7s %8s\n", "N", "ALU", "WG/SM", "blk", "units",
+              "ms(med)", "TFLOP/s", "%peak@clk", "util", "SM MHz");
+  for (const Inst& in : insts) {
+    for (const Layout& L : kLayouts) {
+      const int wgps = L.wg_per_block * L.blocks_per_sm;
+      const int threads = 128 * L.wg_per_block;
+      // Force exactly blocks_per_sm resident blocks per SM with the shared-memory request.
+      int smem = static_cast<int>(prop.sharedMemPerMultiprocessor / L.blocks_per_sm) -
+                 static_cast<int>(prop.reservedSharedMemPerBlock);
+      smem = std::min(smem, static_cast<int>(prop.sharedMemPerBlockOptin));
+      smem = std::max(smem, in.n * 128 + 1024);
+      CK(cudaFuncSetAttribute(in.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      int fit = 0;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, in.k, threads, smem));
+      Result r{in.n, in.alu, wgps, false, 0, 0, 0, 0, 0};
+      if (fit < L.blocks_per_sm) {
+        std::printf("%4d %4d %6d  skipped: only %d block(s) of %d threads fit per SM\n", in.n,
+                    in.alu, wgps, fit, threads);
+        results.push_back(r);
+        continue;
+      }
+      const int grid = sms * L.blocks_per_sm;
+      int iters = static_cast<int>(kTargetCycles / (2.0 * wgps * in.n));
+      iters = std::max(64, iters & ~1);
+      const Args args{d_out, d_rec, iters, kScale};
+
+      in.k<<<grid, threads, smem>>>(args);  // warm-up (clocks, caches, module load)
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<double> ms, util, mhz;
+      bool uneven = false;
+      for (int rep = 0; rep < kReps; ++rep) {
+        CK(cudaEventRecord(e0));
+        in.k<<<grid, threads, smem>>>(args);
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float t = 0;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+        CK(cudaMemcpy(rec.data(), d_rec, sizeof(long long) * grid * 3, cudaMemcpyDeviceToHost));
+        // Per SM: cycles from its first block's start to its last block's end (clock64 is one
+        // counter per SM), flops of its blocks; utilization = flops / cycles / 4096.
+        std::vector<long long> lo(sms, -1), hi(sms, -1);
+        std::vector<int> cnt(sms, 0);
+        for (int b = 0; b < grid; ++b) {
+          const int sm = static_cast<int>(rec[b * 3 + 2]);
+          if (sm < 0 || sm >= sms) continue;
+          lo[sm] = cnt[sm] ? std::min(lo[sm], rec[b * 3]) : rec[b * 3];
+          hi[sm] = cnt[sm] ? std::max(hi[sm], rec[b * 3 + 1]) : rec[b * 3 + 1];
+          ++cnt[sm];
+        }
+        double u = 0, span = 0;
+        int used = 0;
+        for (int s = 0; s < sms; ++s) {
+          if (cnt[s] != L.blocks_per_sm) uneven = true;
+          if (!cnt[s]) continue;
+          const double f = 2.0 * 64 * in.n * 16 * 4.0 * iters * L.wg_per_block * cnt[s];
+          u += f / static_cast<double>(hi[s] - lo[s]) / 4096.0;
+          span += static_cast<double>(hi[s] - lo[s]);
+          ++used;
+        }
+        util.push_back(u / used);
+        mhz.push_back(span / used / (t * 1e-3) / 1e6);  // lower bound: t includes launch
+      }
+      const double flops = 2.0 * 64 * in.n * 16 * 4.0 * iters * (static_cast<double>(grid) * L.wg_per_block);
+      r.ran = true;
+      r.ms_med = median(ms);
+      r.ms_min = *std::min_element(ms.begin(), ms.end());
+      r.tflops = flops / (r.ms_med * 1e-3) / 1e12;
+      r.flop_clk = median(util) * 4096.0;
+      r.mhz = median(mhz);
+      results.push_back(r);
+      char blk[16];
+      std::snprintf(blk, sizeof blk, "%dx%d", L.blocks_per_sm, L.wg_per_block);
+      std::printf("%4d %4d %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s\n", in.n, in.alu, wgps,
+                  blk, iters, r.ms_med, r.tflops, 100.0 * r.tflops / peak,
+                  100.0 * r.flop_clk / 4096.0, r.mhz, uneven ? "  (uneven blocks per SM!)" : "");
+      std::fprintf(js,
+                   "{\"n\":%d,\"alu\":%d,\"wg_per_sm\":%d,\"wg_per_block\":%d,"
+                   "\"blocks_per_sm\":%d,\"units_per_wg\":%d,\"ms_median\":%.5f,\"ms_min\":%.5f,"
+                   "\"tflops\":%.2f,\"tflops_best\":%.2f,\"pct_peak\":%.2f,"
+                   "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"uneven\":%s}\n",
+                   in.n, in.alu, wgps, L.wg_per_block, L.blocks_per_sm, iters, r.ms_med, r.ms_min,
+                   r.tflops, flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak, r.flop_clk,
+                   r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false");
+      std::fflush(js);
+    }
+  }
+  CK(cudaDeviceSynchronize());
+
+  // Compact tables: rows N x ALU, columns warpgroups per SM.
+  auto table = [&](const char* title, auto value) {
+    std::printf("\n%s\n%4s %4s", title, "N", "ALU");
+    for (const Layout& L : kLayouts) std::printf("  %6s%-2d", "WG/SM=", L.wg_per_block * L.blocks_per_sm);
+    std::printf("\n");
+    for (size_t i = 0; i < results.size(); i += std::size(kLayouts)) {
+      std::printf("%4d %4d", results[i].n, results[i].alu);
+      for (size_t j = 0; j < std::size(kLayouts); ++j) {
+        const Result& r = results[i + j];
+        if (r.ran)
+          std::printf("  %8.1f", value(r));
+        else
+          std::printf("  %8s", "-");
+      }
+      std::printf("\n");
+    }
+  };
+  table("TFLOP/s (cudaEvent time, median of 5)", [](const Result& r) { return r.tflops; });
+  table("tensor utilization, % of 4096 flop/clk/SM (clock64 cycles; clock independent)",
+        [](const Result& r) { return 100.0 * r.flop_clk / 4096.0; });
+  std::fclose(js);
+  std::printf("\nJSON lines: %s\n", json_path.c_str());
+  CK(cudaFree(d_out));
+  CK(cudaFree(d_rec));
+  return 0;
+}
