@@ -6,8 +6,9 @@
 // wgmma.mma_async m64nNk16 (4 k-steps per commit group, wait_group 0 after every group) get,
 // and how much of that survives when every warp also spends ALU ops per 8 A values producing
 // the A registers of its next group (v8 dequantizes FP4 with ~15 LOP3/SHF/HMUL2 ops per 8).
-// If v8 at N = 32-64 runs near the "ALU = 16" rate measured here, it is tensor/issue bound, not
-// dequant or memory bound.
+// If v8 at N = 32-64 runs near the "ALU = 16" rate measured here, its loads are hidden and it is
+// limited by what limits this loop (tensor pipe, plus issuing the dequant ops); if the ALU = 0
+// rate itself is far below peak at small N, the wgmma shape is the limit, not the dequant.
 //
 // Build and run (sm_90a only):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels/csrc \
@@ -19,7 +20,9 @@
 // then wgmma.wait_group 0. With ALU > 0 there are two A register sets: the unit issued on set
 // X runs while the warp computes set Y (ALU ops per k-step per thread, from Y's previous
 // values), then the wait, then the sets swap. No instruction writes a register that an
-// in-flight wgmma reads (ptxas would serialize the wgmmas: warning C7513).
+// in-flight wgmma reads (ptxas would serialize the wgmmas: warning C7513). ALU variants come
+// twice: as ptxas schedules them (it hoists them above / between the unit's HGMMAs, as it does
+// in v8) and "STRICT" ("16s" in the output: all ALU ops after the unit's 4th HGMMA).
 // Resident warpgroups per SM: 1 (1 block x 1 WG), 2 (1 x 2) or 4 (2 x 2); the block count per
 // SM is forced by the dynamic shared-memory request, and checked from %smid.
 // Two rates are reported: TFLOP/s from cudaEvent time (includes launch + tail), and tensor
@@ -32,7 +35,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -52,7 +57,9 @@ namespace {
 
 // ------------------------------------ wgmma plumbing --------------------------------------
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -153,7 +160,8 @@ __device__ __forceinline__ void refill(uint32_t (&a)[4][4], uint32_t scale) {
 // One unit: the 4 k-steps of a 64-k group, each m64nNk16 with A = a[ks], B = rows 0..N-1 of the
 // tile at k 16 ks (descriptor start + 32 bytes per k-step), all into acc; one commit group.
 template <int N>
-__device__ __forceinline__ void issue_unit(uint32_t (&a)[4][4], float (&acc)[N / 2], uint64_t desc0) {
+__device__ __forceinline__ void issue_unit(uint32_t (&a)[4][4], float (&acc)[N / 2],
+                                           uint64_t desc0) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -168,6 +176,7 @@ struct Args {
   float* out;      // one value per thread (keeps the accumulators live)
   long long* rec;  // per block: clock64 at loop start, at loop end, %smid
   int iters;       // units per warpgroup (even)
+  int never;       // -1: a loop index the STRICT branch compares against (opaque to the compiler)
   uint32_t scale;  // kScale, passed at run time so nothing folds
 };
 
@@ -175,7 +184,12 @@ struct Args {
 // Up to 2 warpgroups per block (blockDim 128 or 256). N <= 128: <= 128 registers, so 2 blocks
 // (4 WG) fit per SM. N = 160 with ALU work needs ~140 (80 accumulators + 2 x 16 A + chain
 // temporaries): capped at 128 it spills, so it gets 1 block per SM and 4 WG/SM is skipped.
-template <int N, int ALU>
+// STRICT (ALU > 0 only): 0 = ptxas's own schedule, which hoists part of the ALU work above and
+// between the unit's 4 HGMMAs (v8's SASS looks the same way: ~15 dequant ops between
+// WARPGROUP.ARRIVE and the first HGMMA, ~60 between the HGMMAs). 1 = the ALU work sits in its own
+// basic block after the 4th HGMMA (a branch on it != args.never, never taken: ptxas schedules
+// within blocks), so the 4 HGMMAs issue back to back and all ALU ops overlap their execution.
+template <int N, int ALU, int STRICT>
 __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -212,13 +226,21 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
       wg_wait<0>();
       issue_unit<N>(a0, acc, desc0);
       wg_wait<0>();
-    } else {
+    } else if constexpr (STRICT == 0) {
       // Ring of two A sets: issue on one, compute the other under the wgmmas, wait, swap.
       issue_unit<N>(a0, acc, desc0);
       refill<ALU>(a1, scale);
       wg_wait<0>();
       issue_unit<N>(a1, acc, desc0);
       refill<ALU>(a0, scale);
+      wg_wait<0>();
+    } else {
+      // Same ring, each refill behind a branch that is never taken at run time.
+      issue_unit<N>(a0, acc, desc0);
+      if (it != args.never) refill<ALU>(a1, scale);
+      wg_wait<0>();
+      issue_unit<N>(a1, acc, desc0);
+      if (it != args.never) refill<ALU>(a0, scale);
       wg_wait<0>();
     }
   }
@@ -247,16 +269,19 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
 
 using Kernel = void (*)(Args);
 struct Inst {
-  int n, alu;
+  int n, alu, strict;
   Kernel k;
 };
 
 template <int N>
 void add_n(std::vector<Inst>& v) {
-  v.push_back({N, 0, bench<N, 0>});
-  v.push_back({N, 8, bench<N, 8>});
-  v.push_back({N, 16, bench<N, 16>});
-  v.push_back({N, 32, bench<N, 32>});
+  v.push_back({N, 0, 0, bench<N, 0, 0>});
+  v.push_back({N, 8, 0, bench<N, 8, 0>});
+  v.push_back({N, 16, 0, bench<N, 16, 0>});
+  v.push_back({N, 32, 0, bench<N, 32, 0>});
+  v.push_back({N, 8, 1, bench<N, 8, 1>});
+  v.push_back({N, 16, 1, bench<N, 16, 1>});
+  v.push_back({N, 32, 1, bench<N, 32, 1>});
 }
 
 struct Layout {
@@ -267,7 +292,7 @@ constexpr int kReps = 5;
 constexpr double kTargetCycles = 4.0e6;  // per SM at the ideal rate: ~2 ms per launch
 
 struct Result {
-  int n, alu, wgps;
+  int n, alu, strict, wgps;
   bool ran;
   double ms_med, ms_min, tflops, flop_clk, mhz;
 };
@@ -294,9 +319,11 @@ int main() {
   const double peak = sms * 4096.0 * clock_khz * 1e3 / 1e12;  // dense bf16, TFLOP/s
   std::printf("device: %s, %d SMs, max SM clock %.0f MHz (cudaDevAttrClockRate)\n", prop.name, sms,
               clock_khz / 1e3);
-  std::printf("dense bf16 peak: %.1f TFLOP/s = %d SMs x 4096 flop/clk x %.0f MHz "
-              "(NVIDIA's H200 figure: ~989 TFLOP/s)\n",
+  std::printf("dense bf16 peak: %.1f TFLOP/s = %d SMs x 4096 flop/clk x %.0f MHz; NVIDIA's H200 "
+              "figure: ~989 TFLOP/s (= 4096 x 132 SMs x 1830 MHz)\n",
               peak, sms, clock_khz / 1e3);
+  std::printf("ALU = ops per k-step (8 A values) per thread; 's' = ALU work forced after the 4th "
+              "HGMMA (STRICT), else ptxas's schedule\n");
 
   const char* out_env = std::getenv("OUT");
   const std::string out_dir = out_env && *out_env ? out_env : "/tmp";
@@ -326,6 +353,7 @@ int main() {
   CK(cudaMalloc(&d_out, sizeof(float) * max_blocks * 256));
   CK(cudaMalloc(&d_rec, sizeof(long long) * max_blocks * 3));
   std::vector<long long> rec(max_blocks * 3);
+  std::vector<float> outv(max_blocks * 256);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -345,17 +373,19 @@ int main() {
       CK(cudaFuncSetAttribute(in.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       int fit = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, in.k, threads, smem));
-      Result r{in.n, in.alu, wgps, false, 0, 0, 0, 0, 0};
+      Result r{in.n, in.alu, in.strict, wgps, false, 0, 0, 0, 0, 0};
+      char alu[8];  // "16" (ptxas schedule) or "16s" (STRICT)
+      std::snprintf(alu, sizeof alu, "%d%s", in.alu, in.strict ? "s" : "");
       if (fit < L.blocks_per_sm) {
-        std::printf("%4d %4d %6d  skipped: only %d block(s) of %d threads fit per SM\n", in.n,
-                    in.alu, wgps, fit, threads);
+        std::printf("%4d %4s %6d  skipped: only %d block(s) of %d threads fit per SM\n", in.n,
+                    alu, wgps, fit, threads);
         results.push_back(r);
         continue;
       }
       const int grid = sms * L.blocks_per_sm;
       int iters = static_cast<int>(kTargetCycles / (2.0 * wgps * in.n));
       iters = std::max(64, iters & ~1);
-      const Args args{d_out, d_rec, iters, kScale};
+      const Args args{d_out, d_rec, iters, -1, kScale};
 
       in.k<<<grid, threads, smem>>>(args);  // warm-up (clocks, caches, module load)
       CK(cudaGetLastError());
@@ -396,7 +426,12 @@ int main() {
         util.push_back(u / used);
         mhz.push_back(span / used / (t * 1e-3) / 1e6);  // lower bound: t includes launch
       }
-      const double flops = 2.0 * 64 * in.n * 16 * 4.0 * iters * (static_cast<double>(grid) * L.wg_per_block);
+      // Sanity: the accumulators (|A| <= 6, |B| <= 6/64) must stay finite.
+      CK(cudaMemcpy(outv.data(), d_out, sizeof(float) * grid * threads, cudaMemcpyDeviceToHost));
+      const bool finite = std::all_of(outv.begin(), outv.begin() + grid * threads,
+                                      [](float v) { return std::isfinite(v); });
+      const double flops =
+          2.0 * 64 * in.n * 16 * 4.0 * iters * (static_cast<double>(grid) * L.wg_per_block);
       r.ran = true;
       r.ms_med = median(ms);
       r.ms_min = *std::min_element(ms.begin(), ms.end());
@@ -406,29 +441,33 @@ int main() {
       results.push_back(r);
       char blk[16];
       std::snprintf(blk, sizeof blk, "%dx%d", L.blocks_per_sm, L.wg_per_block);
-      std::printf("%4d %4d %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s\n", in.n, in.alu, wgps,
+      std::printf("%4d %4s %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s%s\n", in.n, alu, wgps,
                   blk, iters, r.ms_med, r.tflops, 100.0 * r.tflops / peak,
-                  100.0 * r.flop_clk / 4096.0, r.mhz, uneven ? "  (uneven blocks per SM!)" : "");
+                  100.0 * r.flop_clk / 4096.0, r.mhz, uneven ? "  (uneven blocks per SM!)" : "",
+                  finite ? "" : "  (non-finite output!)");
       std::fprintf(js,
-                   "{\"n\":%d,\"alu\":%d,\"wg_per_sm\":%d,\"wg_per_block\":%d,"
+                   "{\"n\":%d,\"alu\":%d,\"strict\":%d,\"wg_per_sm\":%d,\"wg_per_block\":%d,"
                    "\"blocks_per_sm\":%d,\"units_per_wg\":%d,\"ms_median\":%.5f,\"ms_min\":%.5f,"
                    "\"tflops\":%.2f,\"tflops_best\":%.2f,\"pct_peak\":%.2f,"
-                   "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"uneven\":%s}\n",
-                   in.n, in.alu, wgps, L.wg_per_block, L.blocks_per_sm, iters, r.ms_med, r.ms_min,
-                   r.tflops, flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak, r.flop_clk,
-                   r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false");
+                   "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"uneven\":%s,"
+                   "\"finite\":%s}\n",
+                   in.n, in.alu, in.strict, wgps, L.wg_per_block, L.blocks_per_sm, iters, r.ms_med,
+                   r.ms_min, r.tflops, flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak,
+                   r.flop_clk, r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false",
+                   finite ? "true" : "false");
       std::fflush(js);
     }
   }
   CK(cudaDeviceSynchronize());
 
-  // Compact tables: rows N x ALU, columns warpgroups per SM.
+  // Compact tables: rows N x ALU ("s": STRICT schedule), columns warpgroups per SM.
   auto table = [&](const char* title, auto value) {
     std::printf("\n%s\n%4s %4s", title, "N", "ALU");
-    for (const Layout& L : kLayouts) std::printf("  %6s%-2d", "WG/SM=", L.wg_per_block * L.blocks_per_sm);
+    for (const Layout& L : kLayouts)
+      std::printf("  %6s%-2d", "WG/SM=", L.wg_per_block * L.blocks_per_sm);
     std::printf("\n");
     for (size_t i = 0; i < results.size(); i += std::size(kLayouts)) {
-      std::printf("%4d %4d", results[i].n, results[i].alu);
+      std::printf("%4d %3d%s", results[i].n, results[i].alu, results[i].strict ? "s" : " ");
       for (size_t j = 0; j < std::size(kLayouts); ++j) {
         const Result& r = results[i + j];
         if (r.ran)
