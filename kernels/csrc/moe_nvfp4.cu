@@ -113,8 +113,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //  128 |        2  1  1  4  2  |        2  1  1  4  2  |  85 KB (KG = 2 and 5 stages, 1 block
 //      |                       |                       |   per SM: 1.3-2x slower than BT = 64)
 //  144 |        2  1  1  4  2  |        2  1  1  4  2  |  93 KB (tiles that hold a busy expert:
-//  160 |        2  1  1  4  2  |        2  1  1  4  2  | 101 KB   expertd_pick_bt; 128 registers,
-//      |                       |                       |   the most 2 blocks of 256 threads get)
+//  160 |        4  1  1  6  1  |        4  1  1  6  1  | 185 KB   expertd_pick_bt; 128 registers)
+//      |                       |                       | (session 6: 256 rows share one token
+//      |                       |                       |   tile, 1 block per SM, 6 stages:
+//      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
   X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
@@ -122,7 +124,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
   X(128, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
   X(144, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
-  X(160, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)
+  X(160, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)
 
 // Tried and dropped (sessions 3-5, H200, timed in alternating runs against the default; the
 // switches that ran them were removed in session 6, NOTES.md): 256 weight rows per token tile
