@@ -56,28 +56,9 @@
 namespace {
 
 // ------------------------------------ wgmma plumbing --------------------------------------
-
-__device__ __forceinline__ void wg_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int K>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(K) : "memory");
-}
-
-// Empty volatile asm that pretends to modify v: code producing v stays before it, code
-// consuming v after it, in program order relative to the other volatile asm (the wgmma ops).
-__device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
-
-// Same encoding as smem_desc_sw128 in moe_nvfp4.cu: K-major bf16 tile, 128-byte swizzle, one row
-// (N index) per 128 bytes = 64 k, 8-row atoms of 1024 bytes (stride byte offset 64 << 4),
-// leading byte offset 1 (unused), layout type 1 = SWIZZLE_128B (bits 62-63).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
+// wgmma_fence / wgmma_commit / wgmma_wait, reg_fence (pins a register: code producing it stays
+// before, code consuming it after, in program order relative to the wgmma asm) and
+// smem_desc_sw128 (the 128-byte-swizzle B descriptor) come from wgmma.cuh, as for the v8 GEMM.
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -139,7 +120,7 @@ __device__ __forceinline__ void refill(uint32_t (&a)[4][4], uint32_t scale) {
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) pin(a[ks][c]);
+    for (int c = 0; c < 4; ++c) reg_fence(a[ks][c]);
   uint32_t n[4][4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
@@ -153,7 +134,7 @@ __device__ __forceinline__ void refill(uint32_t (&a)[4][4], uint32_t scale) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       a[ks][c] = n[ks][c];
-      pin(a[ks][c]);
+      reg_fence(a[ks][c]);
     }
 }
 
@@ -165,11 +146,11 @@ __device__ __forceinline__ void issue_unit(uint32_t (&a)[4][4], float (&acc)[N /
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) pin(a[ks][c]);
-  wg_fence();  // A registers (written by ordinary instructions) before the wgmmas read them
+    for (int c = 0; c < 4; ++c) reg_fence(a[ks][c]);
+  wgmma_fence();  // A registers (written by ordinary instructions) before the wgmmas read them
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) Wgmma<N>::mma(acc, a[ks], desc0 + ((ks * 32) >> 4));
-  wg_commit();
+  wgmma_commit();
 }
 
 struct Args {
@@ -201,7 +182,7 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
   // Generic-proxy stores, read by wgmma through the async proxy.
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
-  const uint64_t desc0 = desc_sw128(base);
+  const uint64_t desc0 = smem_desc_sw128(base);
   const uint32_t scale = args.scale;
 
   // Two A sets with E2M1-like values that differ per thread, k-step and register.
@@ -223,25 +204,25 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
     if constexpr (ALU == 0) {
       // Pure tensor stream: same A set every unit, wait_group 0 after each unit (as v8).
       issue_unit<N>(a0, acc, desc0);
-      wg_wait<0>();
+      wgmma_wait<0>();
       issue_unit<N>(a0, acc, desc0);
-      wg_wait<0>();
+      wgmma_wait<0>();
     } else if constexpr (STRICT == 0) {
       // Ring of two A sets: issue on one, compute the other under the wgmmas, wait, swap.
       issue_unit<N>(a0, acc, desc0);
       refill<ALU>(a1, scale);
-      wg_wait<0>();
+      wgmma_wait<0>();
       issue_unit<N>(a1, acc, desc0);
       refill<ALU>(a0, scale);
-      wg_wait<0>();
+      wgmma_wait<0>();
     } else {
       // Same ring, each refill behind a branch that is never taken at run time.
       issue_unit<N>(a0, acc, desc0);
       if (it != args.never) refill<ALU>(a1, scale);
-      wg_wait<0>();
+      wgmma_wait<0>();
       issue_unit<N>(a1, acc, desc0);
       if (it != args.never) refill<ALU>(a0, scale);
-      wg_wait<0>();
+      wgmma_wait<0>();
     }
   }
   __syncthreads();

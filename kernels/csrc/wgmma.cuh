@@ -4,6 +4,29 @@
 #pragma once
 #include <stdint.h>
 
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// An empty volatile asm that "changes" v: orders the code computing v before later volatile asm.
+__device__ __forceinline__ void reg_fence(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+// Descriptor of a K-major bf16 tile in shared memory, 128-byte swizzle: one row (token) per 128
+// bytes (64 k), 16-byte chunk c of row r stored at chunk c ^ (r % 8), 8-row atoms of 1024 bytes
+// (the stride byte offset), atoms 1024-byte aligned. A k-step of 16 inside the 64 starts 32 bytes
+// further (the swizzle is applied to the computed addresses). Leading byte offset: unused for
+// swizzled K-major tiles whose k-step fits in a row (set to 1 as CUTLASS does).
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
 template <int N>
 struct Wgmma;
 
