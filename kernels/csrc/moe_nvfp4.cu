@@ -333,6 +333,42 @@ __device__ __forceinline__ int slot_of(int e, const int* off, int* fill, const i
   return off[e] + (j % t) * bt + j / t;
 }
 
+// Warp 0 of a routing block: exclusive scan of the counts padded to whole tiles (lane l owns
+// experts [l c, (l + 1) c)): off[e] for every expert, ntile[e] where ntile is given, and the
+// total in off[el]; returns the lane's inclusive sum (lane 31's is the total).
+__device__ __forceinline__ int scan_padded_counts(const int* cnt, int* off, int* ntile, int el,
+                                                  int bt, int lane) {
+  const int c = (el + 31) / 32;
+  int sum = 0;
+  for (int e = lane * c; e < min(el, (lane + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  int acc = incl - sum;
+  for (int e = lane * c; e < min(el, (lane + 1) * c); ++e) {
+    off[e] = acc;
+    const int t = (cnt[e] + bt - 1) / bt;
+    if (ntile) ntile[e] = t;
+    acc += t * bt;
+  }
+  if (lane == 31) off[el] = incl;
+  return incl;
+}
+
+// The expert of a tile: the last e with off[e] <= tile * bt (empty experts share offsets).
+__device__ __forceinline__ int expert_of_tile(const int* off, int el, int tile, int bt) {
+  int lo = 0, hi = el - 1;
+  const int p = tile * bt;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (off[mid] <= p) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
     int num_experts, int el, int bt, int balanced, int* __restrict__ sorted_route,
@@ -366,39 +402,15 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  if (tid < 32) {  // exclusive scan of the padded counts: lane l owns experts [l*c, (l+1)*c)
-    const int c = (el + 31) / 32;
-    int sum = 0;
-    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (tid >= o) incl += v;
-    }
-    int acc = incl - sum;
-    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) {
-      off[e] = acc;
-      ntile[e] = (cnt[e] + bt - 1) / bt;
-      acc += ntile[e] * bt;
-    }
-    if (tid == 31) {
-      off[el] = incl;
-      *num_tiles = incl / bt;
-    }
+  if (tid < 32) {
+    const int total = scan_padded_counts(cnt, off, ntile, el, bt, tid);
+    if (tid == 31) *num_tiles = total / bt;
   }
   __syncthreads();
   const int total = off[el];
   for (int p = tid; p < total; p += kRouteThreads) sorted_route[p] = -1;
-  for (int tile = tid; tile < total / bt; tile += kRouteThreads) {
-    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt (empty experts share offsets)
-    const int p = tile * bt;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (off[mid] <= p) lo = mid; else hi = mid - 1;
-    }
-    tile_expert[tile] = lo;
-  }
+  for (int tile = tid; tile < total / bt; tile += kRouteThreads)
+    tile_expert[tile] = expert_of_tile(off, el, tile, bt);
   __syncthreads();  // padding written before the scatter overwrites the used positions
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
@@ -486,25 +498,9 @@ __global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
     fill[e] = 0;
   }
   __syncthreads();
-  if (tid < 32) {  // exclusive scan of the padded counts (as route_kernel)
-    const int c = (el + 31) / 32;
-    int sum = 0;
-    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (tid >= o) incl += v;
-    }
-    int acc = incl - sum;
-    for (int e = tid * c; e < min(el, (tid + 1) * c); ++e) {
-      off[e] = acc;
-      acc += (cnt[e] + bt - 1) / bt * bt;
-    }
-    if (tid == 31) {
-      off[el] = incl;
-      if (b == 0) *num_tiles = incl / bt;
-    }
+  if (tid < 32) {
+    const int total = scan_padded_counts(cnt, off, nullptr, el, bt, tid);
+    if (tid == 31 && b == 0) *num_tiles = total / bt;
   }
   __syncthreads();
   // The padding of expert e (slots off[e] + cnt[e] .. off[e + 1] - 1) by block e % blocks, and
@@ -512,15 +508,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
   for (int e = b; e < el; e += blocks)
     for (int p = off[e] + cnt[e] + tid; p < off[e + 1]; p += kRouteThreads) sorted_route[p] = -1;
   const int tiles = off[el] / bt;
-  for (int tile = b * kRouteThreads + tid; tile < tiles; tile += blocks * kRouteThreads) {
-    int lo = 0, hi = el - 1;  // last e with off[e] <= tile * bt (empty experts share offsets)
-    const int p = tile * bt;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (off[mid] <= p) lo = mid; else hi = mid - 1;
-    }
-    tile_expert[tile] = lo;
-  }
+  for (int tile = b * kRouteThreads + tid; tile < tiles; tile += blocks * kRouteThreads)
+    tile_expert[tile] = expert_of_tile(off, el, tile, bt);
   const int r0 = b * kRouteChunk;
   const int r1 = min(num_routes, r0 + kRouteChunk);
   for (int r = r0 + tid; r < r1; r += kRouteThreads) {
