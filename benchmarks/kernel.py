@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument(
         "--variant", action="append", default=[], help="NAME:K=V,K=V, timed to --path-ab-max"
     )
+    ap.add_argument("--variant-min", type=int, default=0, help="--variant only from this M")
     ap.add_argument("--paths", default="6,8", help="forced paths timed up to --path-ab-max")
     ap.add_argument("--rings", default="", help="v8 rings 2 / 3 forced (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
@@ -296,8 +297,8 @@ def main() -> int:
         if m <= args.path_ab_max:
             for path in filter(None, args.paths.split(",")):
                 variants[f"v{path}"] = {"EXPERTD_KERNEL_PATH": path}
-            for spec in args.variant:  # --variant NAME:K=V,K=V (any kernel switches)
-                name, _, env = spec.partition(":")
+            for spec in args.variant if m >= args.variant_min else ():
+                name, _, env = spec.partition(":")  # --variant NAME:K=V,K=V (kernel switches)
                 variants[name] = parse_env(env)
             if pick_bt(m, TOP_K, E) >= 32:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
                 for ring in args.rings.split(","):

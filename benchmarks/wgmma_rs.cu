@@ -246,34 +246,164 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
   }
 }
 
+// ------------------------------------ mma.sync (HMMA) ----------------------------------
+// The same question for the legacy warp-level MMA (v6's path): mma.sync m16n8k16, A = 4
+// registers per 16 x 16 m-tile per thread (the same fragment v8 feeds to wgmma), B from the same
+// swizzled shared-memory tile through ldmatrix every k-step (as v6 reloads it), WM m-tiles per
+// warp sharing B. mma.sync is synchronous for the issuing warp's registers (the scoreboard waits
+// on A only where a later instruction rewrites it), so the ALU chain for k-step ks of the next
+// unit runs beside the HMMAs of this one. Utilization uses the same 4096 flop/clk/SM (the wgmma
+// peak), so the two tables compare directly.
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void hmma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                     uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// N: tokens (multiple of 16); WM: m-tiles per warp; ALU: ops per k-step per m-tile per thread.
+template <int N, int WM, int ALU>
+__global__ void __launch_bounds__(256, 1) bench_hmma(const Args args) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  __nv_bfloat16* b = reinterpret_cast<__nv_bfloat16*>(smem_raw + (base - raw));
+  for (int i = threadIdx.x; i < N * 64; i += blockDim.x)
+    b[i] = __float2bfloat16(static_cast<float>((i * 37) % 13 - 6) * (1.0f / 64.0f));
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  // ldmatrix.x4 row addresses: matrices (n-tile j, k half h) for j in {2q, 2q + 1}, h in {0, 1};
+  // lane l gives row n = 16 q + 8 (l / 16) + l % 8, k half (l / 8) % 2; swizzled 16-byte chunk.
+  uint32_t rowaddr[N / 16];
+#pragma unroll
+  for (int q = 0; q < N / 16; ++q) {
+    const int n = 16 * q + 8 * (lane / 16) + (lane % 8);
+    rowaddr[q] = base + n * 128;
+  }
+  const int khalf = (lane / 8) % 2;
+  const int nsw = lane % 8;  // row % 8 for the swizzle (16 q + 8 (l / 16) keeps l % 8)
+  const uint32_t scale = args.scale;
+  uint32_t a[4][WM][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int m = 0; m < WM; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t s = threadIdx.x * 0x9E3779B1u + ks * 0x85EBCA77u + (4 * m + c) * 0xC2B2AE3Du;
+        a[ks][m][c] = hmul2(s & kMask, scale);
+      }
+  float acc[WM][N / 8][4];
+#pragma unroll
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.0f;
+
+  const long long t0 = clock64();
+  for (int it = 0; it < args.iters; ++it) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t bf[N / 16][4];
+      const uint32_t chunk = static_cast<uint32_t>(((2 * ks + khalf) ^ nsw) * 16);
+#pragma unroll
+      for (int q = 0; q < N / 16; ++q) ldsm_x4(rowaddr[q] + chunk, bf[q]);
+#pragma unroll
+      for (int m = 0; m < WM; ++m)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+          hmma(acc[m][j], a[ks][m], bf[j / 2][(j % 2) * 2], bf[j / 2][(j % 2) * 2 + 1]);
+      if constexpr (ALU > 0) {
+        // This k-step's A for the next unit, from its current values (read by the HMMAs above).
+        constexpr int P = ALU / 4;
+#pragma unroll
+        for (int m = 0; m < WM; ++m) {
+          uint32_t (&r)[4] = a[ks][m];
+          const uint32_t n0 = alu_chain<P, 0>(r[0], r[1], r[2], scale);
+          const uint32_t n1 = alu_chain<P, 1>(r[1], r[2], r[3], scale);
+          const uint32_t n2 = alu_chain<P, 2>(r[2], r[3], r[0], scale);
+          const uint32_t n3 = alu_chain<P, 3>(r[3], r[0], r[1], scale);
+          r[0] = n0;
+          r[1] = n1;
+          r[2] = n2;
+          r[3] = n3;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const long long t1 = clock64();
+
+  float s = 0.0f;
+#pragma unroll
+  for (int m = 0; m < WM; ++m)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s += acc[m][j][i];
+  uint32_t x = 0;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int m = 0; m < WM; ++m)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x ^= a[ks][m][c];
+  args.out[blockIdx.x * blockDim.x + threadIdx.x] = s + static_cast<float>(x & 1u);
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    args.rec[blockIdx.x * 3 + 0] = t0;
+    args.rec[blockIdx.x * 3 + 1] = t1;
+    args.rec[blockIdx.x * 3 + 2] = sm;
+  }
+}
+
 // ------------------------------------ host ----------------------------------------------
 
 using Kernel = void (*)(Args);
+// One instance: family 0 = wgmma (bench<N, ALU, STRICT>), 1 = mma.sync (bench_hmma<N, WM, ALU>).
 struct Inst {
-  int n, alu, strict;
+  int family, n, alu, strict, wm;
   Kernel k;
 };
 
 template <int N>
 void add_n(std::vector<Inst>& v) {
-  v.push_back({N, 0, 0, bench<N, 0, 0>});
-  v.push_back({N, 8, 0, bench<N, 8, 0>});
-  v.push_back({N, 16, 0, bench<N, 16, 0>});
-  v.push_back({N, 32, 0, bench<N, 32, 0>});
-  v.push_back({N, 8, 1, bench<N, 8, 1>});
-  v.push_back({N, 16, 1, bench<N, 16, 1>});
-  v.push_back({N, 32, 1, bench<N, 32, 1>});
+  v.push_back({0, N, 0, 0, 1, bench<N, 0, 0>});
+  v.push_back({0, N, 8, 0, 1, bench<N, 8, 0>});
+  v.push_back({0, N, 16, 0, 1, bench<N, 16, 0>});
+  v.push_back({0, N, 32, 0, 1, bench<N, 32, 0>});
+  v.push_back({0, N, 8, 1, 1, bench<N, 8, 1>});
+  v.push_back({0, N, 16, 1, 1, bench<N, 16, 1>});
+  v.push_back({0, N, 32, 1, 1, bench<N, 32, 1>});
+}
+template <int N, int WM>
+void add_hmma(std::vector<Inst>& v) {
+  v.push_back({1, N, 0, 0, WM, bench_hmma<N, WM, 0>});
+  v.push_back({1, N, 8, 0, WM, bench_hmma<N, WM, 8>});
+  v.push_back({1, N, 16, 0, WM, bench_hmma<N, WM, 16>});
 }
 
+// Threads per block and resident blocks per SM. wgmma: 1, 2, 4 warpgroups per SM; mma.sync: 8
+// and 16 warps per SM (v6 runs 8-16).
 struct Layout {
-  int wg_per_block, blocks_per_sm;
+  int threads, blocks_per_sm;
 };
-constexpr Layout kLayouts[] = {{1, 1}, {2, 1}, {2, 2}};  // 1, 2, 4 warpgroups per SM
+constexpr Layout kWgLayouts[] = {{128, 1}, {256, 1}, {256, 2}};
+constexpr Layout kHmmaLayouts[] = {{256, 1}, {256, 2}};
 constexpr int kReps = 5;
 constexpr double kTargetCycles = 4.0e6;  // per SM at the ideal rate: ~2 ms per launch
 
 struct Result {
-  int n, alu, strict, wgps;
+  Inst in;
+  int warps_per_sm;
   bool ran;
   double ms_med, ms_min, tflops, flop_clk, mhz;
 };
@@ -283,9 +413,19 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Flops of one unit (4 k-steps) of one warp.
+double unit_flops_per_warp(const Inst& in) {
+  return in.family == 0 ? 2.0 * 64 * in.n * 16 * 4.0 / 4.0 : 2.0 * 16 * in.wm * in.n * 16 * 4.0;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | all
+  if (which != "all" && which != "wgmma" && which != "hmma") {
+    std::fprintf(stderr, "usage: %s [wgmma|hmma|all]\n", argv[0]);
+    return 2;
+  }
   int dev = 0;
   CK(cudaSetDevice(dev));
   cudaDeviceProp prop;
@@ -303,8 +443,8 @@ int main() {
   std::printf("dense bf16 peak: %.1f TFLOP/s = %d SMs x 4096 flop/clk x %.0f MHz; NVIDIA's H200 "
               "figure: ~989 TFLOP/s (= 4096 x 132 SMs x 1830 MHz)\n",
               peak, sms, clock_khz / 1e3);
-  std::printf("ALU = ops per k-step (8 A values) per thread; 's' = ALU work forced after the 4th "
-              "HGMMA (STRICT), else ptxas's schedule\n");
+  std::printf("ALU = ops per k-step (8 A values) per thread and m-tile; 's' = ALU work forced after "
+              "the 4th HGMMA (STRICT), else ptxas's schedule; WM = m-tiles per warp (mma.sync)\n");
 
   const char* out_env = std::getenv("OUT");
   const std::string out_dir = out_env && *out_env ? out_env : "/tmp";
@@ -320,13 +460,23 @@ int main() {
                prop.name, sms, clock_khz, peak);
 
   std::vector<Inst> insts;
-  add_n<16>(insts);
-  add_n<32>(insts);
-  add_n<48>(insts);
-  add_n<64>(insts);
-  add_n<96>(insts);
-  add_n<128>(insts);
-  add_n<160>(insts);
+  if (which != "hmma") {
+    add_n<16>(insts);
+    add_n<32>(insts);
+    add_n<48>(insts);
+    add_n<64>(insts);
+    add_n<96>(insts);
+    add_n<128>(insts);
+    add_n<160>(insts);
+  }
+  if (which != "wgmma") {
+    add_hmma<16, 1>(insts);
+    add_hmma<16, 2>(insts);
+    add_hmma<32, 1>(insts);
+    add_hmma<32, 2>(insts);
+    add_hmma<64, 1>(insts);
+    add_hmma<64, 2>(insts);
+  }
 
   const int max_blocks = sms * 2;
   float* d_out = nullptr;
@@ -340,12 +490,16 @@ int main() {
   CK(cudaEventCreate(&e1));
 
   std::vector<Result> results;
-  std::printf("\n%4s %4s %6s %7s %8s %9s %7s %10s %7s %8s\n", "N", "ALU", "WG/SM", "blk", "units",
-              "ms(med)", "TFLOP/s", "%peak@clk", "util", "SM MHz");
+  std::printf("\n%5s %4s %4s %3s %6s %7s %8s %9s %7s %10s %7s %8s\n", "MMA", "N", "ALU", "WM",
+              "warps", "blk", "units", "ms(med)", "TFLOP/s", "%peak@clk", "util", "SM MHz");
   for (const Inst& in : insts) {
-    for (const Layout& L : kLayouts) {
-      const int wgps = L.wg_per_block * L.blocks_per_sm;
-      const int threads = 128 * L.wg_per_block;
+    const Layout* layouts = in.family == 0 ? kWgLayouts : kHmmaLayouts;
+    const int nlayouts = in.family == 0 ? static_cast<int>(std::size(kWgLayouts))
+                                        : static_cast<int>(std::size(kHmmaLayouts));
+    for (int li = 0; li < nlayouts; ++li) {
+      const Layout& L = layouts[li];
+      const int threads = L.threads;
+      const int warps_per_sm = threads / 32 * L.blocks_per_sm;
       // Force exactly blocks_per_sm resident blocks per SM with the shared-memory request.
       int smem = static_cast<int>(prop.sharedMemPerMultiprocessor / L.blocks_per_sm) -
                  static_cast<int>(prop.reservedSharedMemPerBlock);
@@ -354,17 +508,19 @@ int main() {
       CK(cudaFuncSetAttribute(in.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       int fit = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, in.k, threads, smem));
-      Result r{in.n, in.alu, in.strict, wgps, false, 0, 0, 0, 0, 0};
+      Result r{in, warps_per_sm, false, 0, 0, 0, 0, 0};
       char alu[8];  // "16" (ptxas schedule) or "16s" (STRICT)
       std::snprintf(alu, sizeof alu, "%d%s", in.alu, in.strict ? "s" : "");
+      const char* fam = in.family == 0 ? "wgmma" : "hmma";
       if (fit < L.blocks_per_sm) {
-        std::printf("%4d %4s %6d  skipped: only %d block(s) of %d threads fit per SM\n", in.n,
-                    alu, wgps, fit, threads);
+        std::printf("%5s %4d %4s %3d %6d  skipped: only %d block(s) of %d threads fit per SM\n",
+                    fam, in.n, alu, in.wm, warps_per_sm, fit, threads);
         results.push_back(r);
         continue;
       }
       const int grid = sms * L.blocks_per_sm;
-      int iters = static_cast<int>(kTargetCycles / (2.0 * wgps * in.n));
+      const double per_unit = unit_flops_per_warp(in) * warps_per_sm;  // per SM
+      int iters = static_cast<int>(kTargetCycles * 4096.0 / per_unit);
       iters = std::max(64, iters & ~1);
       const Args args{d_out, d_rec, iters, -1, kScale};
 
@@ -399,7 +555,7 @@ int main() {
         for (int s = 0; s < sms; ++s) {
           if (cnt[s] != L.blocks_per_sm) uneven = true;
           if (!cnt[s]) continue;
-          const double f = 2.0 * 64 * in.n * 16 * 4.0 * iters * L.wg_per_block * cnt[s];
+          const double f = unit_flops_per_warp(in) * iters * (threads / 32) * cnt[s];
           u += f / static_cast<double>(hi[s] - lo[s]) / 4096.0;
           span += static_cast<double>(hi[s] - lo[s]);
           ++used;
@@ -412,7 +568,7 @@ int main() {
       const bool finite = std::all_of(outv.begin(), outv.begin() + grid * threads,
                                       [](float v) { return std::isfinite(v); });
       const double flops =
-          2.0 * 64 * in.n * 16 * 4.0 * iters * (static_cast<double>(grid) * L.wg_per_block);
+          unit_flops_per_warp(in) * iters * (static_cast<double>(grid) * (threads / 32));
       r.ran = true;
       r.ms_med = median(ms);
       r.ms_min = *std::min_element(ms.begin(), ms.end());
@@ -421,47 +577,45 @@ int main() {
       r.mhz = median(mhz);
       results.push_back(r);
       char blk[16];
-      std::snprintf(blk, sizeof blk, "%dx%d", L.blocks_per_sm, L.wg_per_block);
-      std::printf("%4d %4s %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s%s\n", in.n, alu, wgps,
-                  blk, iters, r.ms_med, r.tflops, 100.0 * r.tflops / peak,
-                  100.0 * r.flop_clk / 4096.0, r.mhz, uneven ? "  (uneven blocks per SM!)" : "",
-                  finite ? "" : "  (non-finite output!)");
+      std::snprintf(blk, sizeof blk, "%dx%d", L.blocks_per_sm, threads / 32);
+      std::printf("%5s %4d %4s %3d %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s%s\n", fam,
+                  in.n, alu, in.wm, warps_per_sm, blk, iters, r.ms_med, r.tflops,
+                  100.0 * r.tflops / peak, 100.0 * r.flop_clk / 4096.0, r.mhz,
+                  uneven ? "  (uneven blocks per SM!)" : "", finite ? "" : "  (non-finite output!)");
       std::fprintf(js,
-                   "{\"n\":%d,\"alu\":%d,\"strict\":%d,\"wg_per_sm\":%d,\"wg_per_block\":%d,"
-                   "\"blocks_per_sm\":%d,\"units_per_wg\":%d,\"ms_median\":%.5f,\"ms_min\":%.5f,"
-                   "\"tflops\":%.2f,\"tflops_best\":%.2f,\"pct_peak\":%.2f,"
+                   "{\"mma\":\"%s\",\"n\":%d,\"alu\":%d,\"strict\":%d,\"wm\":%d,"
+                   "\"warps_per_sm\":%d,\"wg_per_sm\":%d,\"threads\":%d,"
+                   "\"blocks_per_sm\":%d,\"units_per_warp\":%d,\"ms_median\":%.5f,"
+                   "\"ms_min\":%.5f,\"tflops\":%.2f,\"tflops_best\":%.2f,\"pct_peak\":%.2f,"
                    "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"uneven\":%s,"
                    "\"finite\":%s}\n",
-                   in.n, in.alu, in.strict, wgps, L.wg_per_block, L.blocks_per_sm, iters, r.ms_med,
-                   r.ms_min, r.tflops, flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak,
-                   r.flop_clk, r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false",
+                   fam, in.n, in.alu, in.strict, in.wm, warps_per_sm, warps_per_sm / 4, threads,
+                   L.blocks_per_sm, iters, r.ms_med, r.ms_min, r.tflops,
+                   flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak, r.flop_clk,
+                   r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false",
                    finite ? "true" : "false");
       std::fflush(js);
     }
   }
   CK(cudaDeviceSynchronize());
 
-  // Compact tables: rows N x ALU ("s": STRICT schedule), columns warpgroups per SM.
-  auto table = [&](const char* title, auto value) {
-    std::printf("\n%s\n%4s %4s", title, "N", "ALU");
-    for (const Layout& L : kLayouts)
-      std::printf("  %6s%-2d", "WG/SM=", L.wg_per_block * L.blocks_per_sm);
-    std::printf("\n");
-    for (size_t i = 0; i < results.size(); i += std::size(kLayouts)) {
-      std::printf("%4d %3d%s", results[i].n, results[i].alu, results[i].strict ? "s" : " ");
-      for (size_t j = 0; j < std::size(kLayouts); ++j) {
-        const Result& r = results[i + j];
-        if (r.ran)
-          std::printf("  %8.1f", value(r));
-        else
-          std::printf("  %8s", "-");
-      }
-      std::printf("\n");
+  // Compact tables: rows MMA x N x ALU (x WM), columns warps per SM; tensor utilization.
+  std::printf("\ntensor utilization, %% of 4096 flop/clk/SM (clock64 cycles; clock independent)\n");
+  std::printf("%5s %4s %4s %3s   by layout (warps per SM)\n", "MMA", "N", "ALU", "WM");
+  for (size_t i = 0; i < results.size();) {
+    const Inst& in = results[i].in;
+    std::printf("%5s %4d %3d%s %3d", in.family == 0 ? "wgmma" : "hmma", in.n, in.alu,
+                in.strict ? "s" : " ", in.wm);
+    size_t j = i;
+    for (; j < results.size() && results[j].in.k == in.k; ++j) {
+      if (results[j].ran)
+        std::printf("  %3dw %5.1f%%", results[j].warps_per_sm, 100.0 * results[j].flop_clk / 4096.0);
+      else
+        std::printf("  %3dw %6s", results[j].warps_per_sm, "-");
     }
-  };
-  table("TFLOP/s (cudaEvent time, median of 5)", [](const Result& r) { return r.tflops; });
-  table("tensor utilization, % of 4096 flop/clk/SM (clock64 cycles; clock independent)",
-        [](const Result& r) { return 100.0 * r.flop_clk / 4096.0; });
+    std::printf("\n");
+    i = j;
+  }
   std::fclose(js);
   std::printf("\nJSON lines: %s\n", json_path.c_str());
   CK(cudaFree(d_out));
