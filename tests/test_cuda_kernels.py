@@ -254,33 +254,6 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring 3")
 
 
-@pytest.mark.parametrize("bt", [96, 128, 144])
-def test_v8_wide_blocks(case, backend, monkeypatch, bt):
-    """Blocks of 4 warpgroups at BT 96 / 128 / 144 (EXPERTD_KERNEL_V8_WIDE=1, an experiment):
-    float64-close, rings 2 and 3 bit-identical, repeated calls and graph replays equal."""
-    from expertd.kernels.cuda import GraphedForward
-
-    preset, layer, state = case
-    m = 400
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 3)
-    ids[: m // 2, 0] = int(layer.experts[0])  # one busy expert: full and partial tiles
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
-    monkeypatch.setenv("EXPERTD_KERNEL_V8_WIDE", "1")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "2")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    _check(want, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 wide")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "3")
-    for _ in range(2):
-        assert torch.equal(_run(backend, state, x, ids, w, bt=bt), want), "ring 3 differs"
-    graphed = GraphedForward(backend, state, m, preset.top_k, bt=bt)
-    for _ in range(2):
-        got = graphed(x, ids, w).clone()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), f"{preset.name} BT {bt}: graph replay differs"
-
-
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the

@@ -1525,18 +1525,6 @@ int route_balanced() {
   return v && v[0] == '1';
 }
 
-// Experiment (not yet timed): EXPERTD_KERNEL_V8_WIDE=1 runs BT 96 / 128 / 144 on blocks of 4
-// warpgroups (256 weight rows share one token tile, 1 block per SM, deeper rings), the shape BT
-// 160 got in session 6 (0.988 at M = 4096). Shapes: EXPERTD_FOR_EACH_WG_WIDE.
-bool v8_wide() {
-  const char* v = getenv("EXPERTD_KERNEL_V8_WIDE");
-  return v && v[0] == '1';
-}
-#define EXPERTD_FOR_EACH_WG_WIDE(X)   \
-  X(96, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)  \
-  X(128, 4, 1, 1, 7, 1, 4, 1, 1, 7, 1) \
-  X(144, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)
-
 // Calls of at least this many routes are routed by route_count_kernel + route_scatter_kernel
 // (EXPERTD_KERNEL_ROUTE_MULTI=N; 0: never). Default 16384 (M = 2048 at top-8). H200, session
 // 6, route_kernel (one block) / the two kernels, alternating runs: M = 2048 1.008, 4096 1.015,
@@ -1567,12 +1555,6 @@ int wg_ring(int bt) {
 // Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
 int g2_rows_for(int bt, int path) {
   if (path == 8) {
-    if (v8_wide()) {
-#define EXPERTD_WG_WIDE_G2ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (bt == BT) return 64 * G2 * W2;
-      EXPERTD_FOR_EACH_WG_WIDE(EXPERTD_WG_WIDE_G2ROWS)
-#undef EXPERTD_WG_WIDE_G2ROWS
-    }
 #define EXPERTD_WG_G2ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
   if (bt == BT) return 64 * G2 * W2;
     EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G2ROWS)
@@ -1587,12 +1569,6 @@ int g2_rows_for(int bt, int path) {
 }
 int g1_rows_for(int bt, int path) {
   if (path == 8) {
-    if (v8_wide()) {
-#define EXPERTD_WG_WIDE_G1ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (bt == BT) return 64 * G1 * W1;
-      EXPERTD_FOR_EACH_WG_WIDE(EXPERTD_WG_WIDE_G1ROWS)
-#undef EXPERTD_WG_WIDE_G1ROWS
-    }
 #define EXPERTD_WG_G1ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
   if (bt == BT) return 64 * G1 * W1;
     EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G1ROWS)
@@ -1993,7 +1969,6 @@ int expertd_init(void) {
 #define EXPERTD_INIT_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
   if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
-  EXPERTD_FOR_EACH_WG_WIDE(EXPERTD_INIT_WG)
 #undef EXPERTD_INIT_WG
   if (cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            DecShape::kSmemBytes) != cudaSuccess)
@@ -2120,16 +2095,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
 #undef EXPERTD_ALT_MATCH
   bool launched = false;
-#define EXPERTD_DISPATCH_WG_WIDE(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                 \
-  if (path == 8 && !launched && v8_wide() && bt == BT) {                                    \
-    launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
-                                                                     a.inter, stream);      \
-  }
-  EXPERTD_FOR_EACH_WG_WIDE(EXPERTD_DISPATCH_WG_WIDE)
-#undef EXPERTD_DISPATCH_WG_WIDE
 #define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
-  if (path == 8 && !launched && bt == BT) {                                                 \
+  if (path == 8 && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
                                                                      a.inter, stream);      \
