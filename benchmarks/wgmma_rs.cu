@@ -170,6 +170,16 @@ struct Args {
 // WARPGROUP.ARRIVE and the first HGMMA, ~60 between the HGMMAs). 1 = the ALU work sits in its own
 // basic block after the 4th HGMMA (a branch on it != args.never, never taken: ptxas schedules
 // within blocks), so the 4 HGMMAs issue back to back and all ALU ops overlap their execution.
+// 2 = ping-pong between the block's two warpgroups; 3-5 = the tensor and ALU work split between
+// them (see the loop). 2-5 need blocks of 2 warpgroups.
+// Named barriers 1 and 2 over the block's 256 threads (barrier 0 is __syncthreads).
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
 template <int N, int ALU, int STRICT>
 __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args) {
   extern __shared__ uint8_t smem_raw[];
@@ -215,7 +225,7 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
       issue_unit<N>(a1, acc, desc0);
       refill<ALU>(a0, scale);
       wgmma_wait<0>();
-    } else {
+    } else if constexpr (STRICT == 1) {
       // Same ring, each refill behind a branch that is never taken at run time.
       issue_unit<N>(a0, acc, desc0);
       if (it != args.never) refill<ALU>(a1, scale);
@@ -223,8 +233,43 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
       issue_unit<N>(a1, acc, desc0);
       if (it != args.never) refill<ALU>(a0, scale);
       wgmma_wait<0>();
+    } else if constexpr (STRICT == 2) {
+      // Ping-pong (FlashAttention-3's warpgroup schedule): the two warpgroups of a block take
+      // turns issuing units (named barriers 1 and 2), so one computes while the other's wgmmas
+      // run. Otherwise the ring of STRICT 0.
+      const int wg = threadIdx.x / 128;
+      if (it == 0 && wg == 1) named_arrive(1);  // warpgroup 0 issues first
+      // The refills sit behind never-taken branches (as STRICT 1): ptxas would otherwise
+      // schedule them between the HGMMAs, before the arrive, and the other warpgroup would wait
+      // for them.
+      named_sync(1 + wg);
+      issue_unit<N>(a0, acc, desc0);
+      named_arrive(2 - wg);
+      if (it != args.never) refill<ALU>(a1, scale);
+      wgmma_wait<0>();
+      named_sync(1 + wg);
+      issue_unit<N>(a1, acc, desc0);
+      named_arrive(2 - wg);
+      if (it != args.never) refill<ALU>(a0, scale);
+      wgmma_wait<0>();
+    } else {
+      // Split (3, 4, 5): warpgroup 0 only issues units (as ALU 0), warpgroup 1 only computes
+      // (ALU ops per k-step as in the ring, no wgmma). 4: warpgroup 0's part alone, 5:
+      // warpgroup 1's alone. Does a warpgroup's ALU work slow another one's wgmmas down?
+      const int wg = threadIdx.x / 128;
+      if (wg == 0 && STRICT != 5) {
+        issue_unit<N>(a0, acc, desc0);
+        wgmma_wait<0>();
+        issue_unit<N>(a0, acc, desc0);
+        wgmma_wait<0>();
+      } else if (wg == 1 && STRICT != 4) {
+        refill<ALU>(a1, scale);
+        refill<ALU>(a0, scale);
+      }
     }
   }
+  if constexpr (STRICT == 2)
+    if (threadIdx.x < 128) named_sync(1);  // warpgroup 1's last arrive
   __syncthreads();
   const long long t1 = clock64();
 
@@ -384,6 +429,14 @@ void add_n(std::vector<Inst>& v) {
   v.push_back({0, N, 16, 1, 1, bench<N, 16, 1>});
   v.push_back({0, N, 32, 1, 1, bench<N, 32, 1>});
 }
+// Ping-pong and split instances (blocks of 2 warpgroups only).
+template <int N>
+void add_pingpong(std::vector<Inst>& v) {
+  v.push_back({0, N, 16, 2, 1, bench<N, 16, 2>});
+  v.push_back({0, N, 16, 3, 1, bench<N, 16, 3>});
+  v.push_back({0, N, 16, 4, 1, bench<N, 16, 4>});
+  v.push_back({0, N, 16, 5, 1, bench<N, 16, 5>});
+}
 template <int N, int WM>
 void add_hmma(std::vector<Inst>& v) {
   v.push_back({1, N, 0, 0, WM, bench_hmma<N, WM, 0>});
@@ -405,7 +458,7 @@ struct Result {
   Inst in;
   int warps_per_sm;
   bool ran;
-  double ms_med, ms_min, tflops, flop_clk, mhz;
+  double ms_med, ms_min, tflops, flop_clk, mhz, clk_unit;
 };
 
 double median(std::vector<double> v) {
@@ -421,9 +474,9 @@ double unit_flops_per_warp(const Inst& in) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | all
-  if (which != "all" && which != "wgmma" && which != "hmma") {
-    std::fprintf(stderr, "usage: %s [wgmma|hmma|all]\n", argv[0]);
+  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | pingpong | all
+  if (which != "all" && which != "wgmma" && which != "hmma" && which != "pingpong") {
+    std::fprintf(stderr, "usage: %s [wgmma|hmma|pingpong|all]\n", argv[0]);
     return 2;
   }
   int dev = 0;
@@ -444,7 +497,9 @@ int main(int argc, char** argv) {
               "figure: ~989 TFLOP/s (= 4096 x 132 SMs x 1830 MHz)\n",
               peak, sms, clock_khz / 1e3);
   std::printf("ALU = ops per k-step (8 A values) per thread and m-tile; 's' = ALU work forced after "
-              "the 4th HGMMA (STRICT), else ptxas's schedule; WM = m-tiles per warp (mma.sync)\n");
+              "the 4th HGMMA (STRICT), else ptxas's schedule; 'p' = ping-pong of 2 warpgroups; "
+              "'x' = warpgroup 0 wgmma only + warpgroup 1 ALU only, 't' / 'a' = each of them "
+              "alone (compare clk/unit); WM = m-tiles per warp (mma.sync)\n");
 
   const char* out_env = std::getenv("OUT");
   const std::string out_dir = out_env && *out_env ? out_env : "/tmp";
@@ -460,7 +515,13 @@ int main(int argc, char** argv) {
                prop.name, sms, clock_khz, peak);
 
   std::vector<Inst> insts;
-  if (which != "hmma") {
+  if (which == "all" || which == "pingpong") {
+    if (which == "pingpong") add_n<32>(insts);  // the ring at N = 32 beside it
+    add_pingpong<32>(insts);
+    add_pingpong<48>(insts);
+    add_pingpong<64>(insts);
+  }
+  if (which == "all" || which == "wgmma") {
     add_n<16>(insts);
     add_n<32>(insts);
     add_n<48>(insts);
@@ -469,7 +530,7 @@ int main(int argc, char** argv) {
     add_n<128>(insts);
     add_n<160>(insts);
   }
-  if (which != "wgmma") {
+  if (which == "all" || which == "hmma") {
     add_hmma<16, 1>(insts);
     add_hmma<16, 2>(insts);
     add_hmma<32, 1>(insts);
@@ -490,8 +551,9 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e1));
 
   std::vector<Result> results;
-  std::printf("\n%5s %4s %4s %3s %6s %7s %8s %9s %7s %10s %7s %8s\n", "MMA", "N", "ALU", "WM",
-              "warps", "blk", "units", "ms(med)", "TFLOP/s", "%peak@clk", "util", "SM MHz");
+  std::printf("\n%5s %4s %4s %3s %6s %7s %8s %9s %7s %10s %7s %8s %8s\n", "MMA", "N", "ALU", "WM",
+              "warps", "blk", "units", "ms(med)", "TFLOP/s", "%peak@clk", "util", "SM MHz",
+              "clk/unit");
   for (const Inst& in : insts) {
     const Layout* layouts = in.family == 0 ? kWgLayouts : kHmmaLayouts;
     const int nlayouts = in.family == 0 ? static_cast<int>(std::size(kWgLayouts))
@@ -499,6 +561,7 @@ int main(int argc, char** argv) {
     for (int li = 0; li < nlayouts; ++li) {
       const Layout& L = layouts[li];
       const int threads = L.threads;
+      if (in.strict >= 2 && threads != 256) continue;  // ping-pong / split: 2 warpgroups
       const int warps_per_sm = threads / 32 * L.blocks_per_sm;
       // Force exactly blocks_per_sm resident blocks per SM with the shared-memory request.
       int smem = static_cast<int>(prop.sharedMemPerMultiprocessor / L.blocks_per_sm) -
@@ -508,9 +571,9 @@ int main(int argc, char** argv) {
       CK(cudaFuncSetAttribute(in.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       int fit = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, in.k, threads, smem));
-      Result r{in, warps_per_sm, false, 0, 0, 0, 0, 0};
+      Result r{in, warps_per_sm, false, 0, 0, 0, 0, 0, 0};
       char alu[8];  // "16" (ptxas schedule) or "16s" (STRICT)
-      std::snprintf(alu, sizeof alu, "%d%s", in.alu, in.strict ? "s" : "");
+      std::snprintf(alu, sizeof alu, "%d%c", in.alu, " spxta"[in.strict]);
       const char* fam = in.family == 0 ? "wgmma" : "hmma";
       if (fit < L.blocks_per_sm) {
         std::printf("%5s %4d %4s %3d %6d  skipped: only %d block(s) of %d threads fit per SM\n",
@@ -527,7 +590,7 @@ int main(int argc, char** argv) {
       in.k<<<grid, threads, smem>>>(args);  // warm-up (clocks, caches, module load)
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
-      std::vector<double> ms, util, mhz;
+      std::vector<double> ms, util, mhz, cpu;
       bool uneven = false;
       for (int rep = 0; rep < kReps; ++rep) {
         CK(cudaEventRecord(e0));
@@ -561,6 +624,7 @@ int main(int argc, char** argv) {
           ++used;
         }
         util.push_back(u / used);
+        cpu.push_back(span / used / iters);  // SM cycles per unit (of each warp)
         mhz.push_back(span / used / (t * 1e-3) / 1e6);  // lower bound: t includes launch
       }
       // Sanity: the accumulators (|A| <= 6, |B| <= 6/64) must stay finite.
@@ -575,24 +639,26 @@ int main(int argc, char** argv) {
       r.tflops = flops / (r.ms_med * 1e-3) / 1e12;
       r.flop_clk = median(util) * 4096.0;
       r.mhz = median(mhz);
+      r.clk_unit = median(cpu);
       results.push_back(r);
       char blk[16];
       std::snprintf(blk, sizeof blk, "%dx%d", L.blocks_per_sm, threads / 32);
-      std::printf("%5s %4d %4s %3d %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f%s%s\n", fam,
+      std::printf("%5s %4d %4s %3d %6d %7s %8d %9.3f %7.1f %9.1f%% %6.1f%% %8.0f %8.1f%s%s\n", fam,
                   in.n, alu, in.wm, warps_per_sm, blk, iters, r.ms_med, r.tflops,
-                  100.0 * r.tflops / peak, 100.0 * r.flop_clk / 4096.0, r.mhz,
+                  100.0 * r.tflops / peak, 100.0 * r.flop_clk / 4096.0, r.mhz, r.clk_unit,
                   uneven ? "  (uneven blocks per SM!)" : "", finite ? "" : "  (non-finite output!)");
       std::fprintf(js,
                    "{\"mma\":\"%s\",\"n\":%d,\"alu\":%d,\"strict\":%d,\"wm\":%d,"
                    "\"warps_per_sm\":%d,\"wg_per_sm\":%d,\"threads\":%d,"
                    "\"blocks_per_sm\":%d,\"units_per_warp\":%d,\"ms_median\":%.5f,"
                    "\"ms_min\":%.5f,\"tflops\":%.2f,\"tflops_best\":%.2f,\"pct_peak\":%.2f,"
-                   "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"uneven\":%s,"
+                   "\"flop_per_clk_sm\":%.1f,\"tensor_util\":%.4f,\"sm_mhz\":%.0f,\"clk_per_unit\":%.1f,"
+                   "\"uneven\":%s,"
                    "\"finite\":%s}\n",
                    fam, in.n, in.alu, in.strict, in.wm, warps_per_sm, warps_per_sm / 4, threads,
                    L.blocks_per_sm, iters, r.ms_med, r.ms_min, r.tflops,
                    flops / (r.ms_min * 1e-3) / 1e12, 100.0 * r.tflops / peak, r.flop_clk,
-                   r.flop_clk / 4096.0, r.mhz, uneven ? "true" : "false",
+                   r.flop_clk / 4096.0, r.mhz, r.clk_unit, uneven ? "true" : "false",
                    finite ? "true" : "false");
       std::fflush(js);
     }
@@ -604,8 +670,8 @@ int main(int argc, char** argv) {
   std::printf("%5s %4s %4s %3s   by layout (warps per SM)\n", "MMA", "N", "ALU", "WM");
   for (size_t i = 0; i < results.size();) {
     const Inst& in = results[i].in;
-    std::printf("%5s %4d %3d%s %3d", in.family == 0 ? "wgmma" : "hmma", in.n, in.alu,
-                in.strict ? "s" : " ", in.wm);
+    std::printf("%5s %4d %3d%c %3d", in.family == 0 ? "wgmma" : "hmma", in.n, in.alu,
+                " spxta"[in.strict], in.wm);
     size_t j = i;
     for (; j < results.size() && results[j].in.k == in.k; ++j) {
       if (results[j].ran)
