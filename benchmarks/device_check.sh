@@ -47,8 +47,8 @@ if [[ $what == all || $what == *server* ]]; then
 fi
 if [[ $what == all || $what == *sanitize* ]]; then
   for tool in memcheck racecheck; do
-    # SAN_ENV: settings for the checked process, e.g. EXPERTD_KERNEL_PATH=9 (the fused decode
-    # kernel: its blocks loop over items, so racecheck sees the shared memory reused).
+    # SAN_ENV: settings for the checked process, e.g. EXPERTD_KERNEL_GRID_ROWS=1 (v6 blocks
+    # loop over tiles, so racecheck sees the shared memory reused).
     timeout ${T_SAN:-90} env ${SAN_ENV:-} compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \
       >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?

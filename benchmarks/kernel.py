@@ -216,7 +216,6 @@ def main() -> int:
     ap.add_argument("--rings", default="", help="v8 rings 2 / 3 forced (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
     ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
-    ap.add_argument("--v9-variants", action="store_true", help="time v9 without prefetch etc.")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -307,12 +306,6 @@ def main() -> int:
                             "EXPERTD_KERNEL_PATH": "8",
                             "EXPERTD_KERNEL_WG_RING": ring,
                         }
-            if pick_bt(m, TOP_K, E) == 8:  # v9 has BT 8 only (v6 past 64 routes)
-                variants["v9"] = {"EXPERTD_KERNEL_PATH": "9"}
-        if m <= args.dec_alt_max and args.v9_variants:  # v9 without the W2 prefetch, fewer blocks
-            variants["v9_nopf"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_PREFETCH": "0"}
-            variants["v9_b132"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "132"}
-            variants["v9_b264"] = {"EXPERTD_KERNEL_PATH": "9", "EXPERTD_KERNEL_DEC_BLOCKS": "264"}
         if m <= args.dec_alt_max:  # v6 decode alternatives (moe_nvfp4.cu: 6 split-K over 8
             for alt in args.dec_alts.split(","):  # warps, 7 and 9: 2 k-groups per warp per stage)
                 if alt:
@@ -345,7 +338,7 @@ def main() -> int:
             elif vname in ("v6_alt6", "v6_alt11") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v9, v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit
+            else:  # same arithmetic: v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit
                 path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
             del vg
         # The default again after the variants: identical graphs time 3-10% apart within one run
@@ -355,16 +348,15 @@ def main() -> int:
             if variants
             else None
         )
-        # Fixed cost per path: the same call with no route on this shard (every id foreign or
-        # -1): route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
+        # Fixed cost (v6): the same call with no route on this shard (every id foreign or -1):
+        # route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
         if m <= args.fixed_max:
             foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
-            for pname in ("6", "9"):
-                inputs = (sets[0][0], foreign, sets[0][2])
-                g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": pname})
-                t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
-                path_us[f"v{pname}_no_local_route"] = t_fixed * 1e6
-                del g
+            inputs = (sets[0][0], foreign, sets[0][2])
+            g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": "6"})
+            t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
+            path_us["v6_no_local_route"] = t_fixed * 1e6
+            del g
         # Every compiled tile size (graph replay, every input set): data for the BT pick. Each BT
         # on its default path (v8 where it has a configuration, WG_BTS), under --bt-env; timed in
         # alternating runs against the default (bt_vs_default: the median ratio).
@@ -441,10 +433,10 @@ def main() -> int:
     forced = kernel_path()
     print(
         f"GEMM path (graph us column): {f'v{forced}' if forced else 'default by BT (path column)'}"
-        "; v6/v8/v9 columns: each path forced"
+        "; v6/v8 columns: each path forced"
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v8 us':>8} {'v9 us':>8} {'v8 err':>8}"
+    head += f" {'v6 us':>8} {'v8 us':>8} {'v8 err':>8}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
@@ -455,7 +447,6 @@ def main() -> int:
             f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
             f"{r['path_us'].get('v6', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v9', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
             f"{r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f}"
@@ -466,15 +457,11 @@ def main() -> int:
                 f" {r['rel_err_vs_baseline']:>8.1e}"
             )
         print(line)
-    fixed = [r for r in rows if "v9_no_local_route" in r["path_us"]]
+    fixed = [r for r in rows if "v6_no_local_route" in r["path_us"]]
     if fixed:
         print(
-            "no local route (fixed cost), graph us: "
-            + ", ".join(
-                f"M={r['M']} v6 {r['path_us']['v6_no_local_route']:.1f} "
-                f"v9 {r['path_us']['v9_no_local_route']:.1f}"
-                for r in fixed
-            )
+            "no local route (fixed cost, v6), graph us: "
+            + ", ".join(f"M={r['M']} {r['path_us']['v6_no_local_route']:.1f}" for r in fixed)
         )
     again = [r for r in rows if r.get("graph_us_after_variants")]
     if again:
@@ -498,7 +485,12 @@ def main() -> int:
                 )
             )
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
-    print("v9, v6_alt0 / 7 == v6 bit for bit at every M" if not eq else f"MISMATCH vs v6: {eq}")
+    print(
+        "bit for bit at every M: v6_alt0 / 7 (and the default where it runs alt 7) == v6, capped"
+        " grid rows == the default"
+        if not eq
+        else f"MISMATCH: {eq}"
+    )
     print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:

@@ -86,9 +86,9 @@ def load_library() -> ctypes.CDLL:
 
 
 def kernel_path(bt: int = 0) -> int:
-    """The GEMM path (6, 8 or 9) a forward with tile size `bt` takes now; bt = 0: the path
-    forced by `EXPERTD_KERNEL_PATH=6|8|9`, or 0 when none is (then v8, the wgmma GEMM, where the
-    tile size has it from BT = 32, v6 below; moe_nvfp4.cu).
+    """The GEMM path (6 or 8) a forward with tile size `bt` takes now; bt = 0: the path
+    forced by `EXPERTD_KERNEL_PATH=6|8`, or 0 when none is (then v8, the wgmma GEMM, where the
+    tile size has it from BT = 32, v6 below; moe_nvfp4.cu; any other value forces nothing).
 
     Read per call, so a CUDA graph keeps the path it was captured with."""
     return int(load_library().expertd_kernel_path(bt))
@@ -230,7 +230,7 @@ class CudaBackend:
         """Make the workspace large enough for m tokens x top_k (allocates only when growing)."""
         need = self.workspace_bytes(state, m, top_k)
         if self._workspace is None or self._workspace.numel() < need:
-            # zero-filled: the fused decode kernel's grid-barrier counters start (and end) at 0
+            # zero-filled (a memset only when it grows): bytes no call has written read as zeros
             self._workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
         return self._workspace
 

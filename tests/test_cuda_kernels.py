@@ -33,10 +33,10 @@ def backend():
     return CudaBackend("cuda")
 
 
-@pytest.fixture(params=["6", "8", "9"])
+@pytest.fixture(params=["6", "8"])
 def path(request, monkeypatch):
-    """Every GEMM path (moe_nvfp4.cu: v6 mma.sync, v8 wgmma, v9 fused decode kernel; a forced
-    path applies to the tile sizes it has, the others take the default)."""
+    """Every GEMM path (moe_nvfp4.cu: v6 mma.sync, v8 wgmma; a forced path applies to the tile
+    sizes it has, the others take the default)."""
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", request.param)
     return int(request.param)
 
@@ -102,12 +102,10 @@ def test_forward_matches_reference(case, backend, path, m):
 @pytest.mark.parametrize(
     "path,bt",
     [(6, bt) for bt in (8, 16, 24, 32, 48, 64)]
-    + [(8, bt) for bt in (32, 48, 64, 96, 128, 144, 160)]
-    + [(9, 8)],
+    + [(8, bt) for bt in (32, 48, 64, 96, 128, 144, 160)],
 )
 def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
-    # v6 for the mma.sync tiles, v8 for the wgmma ones,
-    # v9 (fused decode; at M = 97 the call is too large for it, so v6 runs: test_v9_* cover it)
+    # v6 for the mma.sync tiles, v8 for the wgmma ones
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", str(path))
     preset, layer, state = case
     m = 97
@@ -150,55 +148,23 @@ def test_path_switch(backend, path):
     from expertd.kernels.cuda import kernel_path
 
     assert kernel_path() == path
-    # a forced path without a configuration for the BT gives the default: v8 has no BT 8, v9
-    # (the fused decode kernel) only BT 8
-    assert kernel_path(64) == (8 if path == 9 else path)
+    # a forced path without a configuration for the BT gives the default: v8 has no BT 8
+    assert kernel_path(64) == path
     assert kernel_path(8) == (6 if path == 8 else path)
 
 
 def test_default_path_by_tile_size(backend, monkeypatch):
     from expertd.kernels.cuda import kernel_path
 
-    monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
-    assert kernel_path() == 0  # nothing forced
-    bts = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
-    assert [kernel_path(bt) for bt in bts] == [6, 6, 6, 8, 8, 8, 8, 8, 8, 8]
-
-
-@pytest.mark.parametrize(
-    "m,top_k,blocks,prefetch",
-    [
-        (1, 0, 0, "2"),
-        (2, 0, 0, "2"),
-        (5, 0, 0, "0"),
-        (8, 0, 0, "2"),
-        (8, 0, 64, "1000"),
-        (3, 0, 100, "0"),
-        (64, 1, 0, "2"),
-        (9, 0, 0, "2"),
-        (16, 4, 64, "2"),
-    ],
-)
-def test_v9_bit_identical_to_v6(case, backend, monkeypatch, m, top_k, blocks, prefetch):
-    """The fused decode kernel routes in every block and runs v6's GEMM items between grid
-    barriers: v6's bits, also with few blocks (each loops over many items), the W2 prefetch off
-    or always on, top_k 1 (64 tokens), one expert taking several tiles, calls past 64 routes
-    (M = 9: v6 runs), and again after the first call (the barrier counters reset themselves)."""
-    preset, layer, state = case
-    top_k = top_k or preset.top_k
-    ids, w = _routes(m, preset.num_experts, top_k, seed=41 + m)
-    ids[: min(m, 20), 0] = int(layer.experts[1])
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(42))
-    x = x.to(torch.bfloat16).cuda()
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-    want = _run(backend, state, x, ids, w, bt=8)
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "9")
-    monkeypatch.setenv("EXPERTD_KERNEL_DEC_BLOCKS", str(blocks))
-    monkeypatch.setenv("EXPERTD_KERNEL_DEC_PREFETCH", prefetch)
-    for _ in range(3):
-        got = _run(backend, state, x, ids, w, bt=8)
-        assert torch.equal(got, want), f"{preset.name} M={m} top_k={top_k}: v9 differs from v6"
-    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M={m} top_k={top_k} v9")
+    # unset, or a value other than 6 / 8 (9 was the removed fused decode kernel's): the default
+    for value in (None, "9", "x"):
+        if value is None:
+            monkeypatch.delenv("EXPERTD_KERNEL_PATH", raising=False)
+        else:
+            monkeypatch.setenv("EXPERTD_KERNEL_PATH", value)
+        assert kernel_path() == 0  # nothing forced
+        bts = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+        assert [kernel_path(bt) for bt in bts] == [6, 6, 6, 8, 8, 8, 8, 8, 8, 8]
 
 
 # Decode alternatives (moe_nvfp4.cu): id -> (tile size, k per stage, the alternative whose bits
@@ -303,26 +269,6 @@ def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
         monkeypatch.setenv("EXPERTD_KERNEL_GRID_ROWS", str(rows))
         got = _run(backend, state, x, ids, w, bt=bt)
         assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: {rows} grid rows differ"
-
-
-def test_v9_graph_replays(case, backend, monkeypatch):
-    """Graph replays of the fused decode kernel, alternating inputs: each equals its eager v6."""
-    from expertd.kernels.cuda import GraphedForward
-
-    preset, _, state = case
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "9")
-    g = GraphedForward(backend, state, 4, preset.top_k)
-    cases = []
-    for seed in (51, 52):
-        ids, w = _routes(4, preset.num_experts, preset.top_k, seed=seed, drop=0.0)
-        x = torch.randn((4, preset.hidden_size), generator=torch.Generator().manual_seed(seed))
-        cases.append((x.to(torch.bfloat16).cuda(), ids, w))
-    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
-    wants = [_run(backend, state, *c) for c in cases]
-    for i in range(6):
-        got = g(*cases[i % 2]).clone()
-        torch.cuda.synchronize()
-        assert torch.equal(got, wants[i % 2]), f"replay {i}"
 
 
 def test_gate_and_up_global_scales_differ(case):

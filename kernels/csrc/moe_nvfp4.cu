@@ -13,12 +13,14 @@
 //   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j]; writes
 //                        every element (zeros for tokens with no owned route).
 //
-// GEMM paths (EXPERTD_KERNEL_PATH=6/8/9):
+// GEMM paths (EXPERTD_KERNEL_PATH=6/8):
 //   v6  mma.sync GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or
 //       not, so most blocks find tile >= num_tiles and exit (80-90% at top-8 of 256, 32 experts).
-//   v8  wgmma GEMMs (from BT 32), same grids. v9: the fused decode kernel (an experiment).
+//   v8  wgmma GEMMs (from BT 32), same grids.
 //   (v7, persistent grids with L2 prefetches at decode, was removed in session 3: the default
-//   nowhere, 15-25% slower than v6 where it ran; kernels/NOTES.md.)
+//   nowhere, 15-25% slower than v6 where it ran. The fused decode kernel, one cooperative launch
+//   per call of <= 64 routes with grid barriers between the GEMMs, was removed in session 7: the
+//   default nowhere, 1.24-1.48x the default's time at M = 1-8 on the H200; kernels/NOTES.md.)
 //
 // GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
 // tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
@@ -84,7 +86,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                                |                             |   feeds 4 MMAs; 3 stages so
 //      |                                |                             |   3 blocks fit per SM
 // BT 8 calls run decode alternative 6 or 7 (below) instead of this row where H and I are
-// multiples of 512; the row stays the fallback and the fused decode kernel's (v9) twin.
+// multiples of 512; the row stays the fallback.
 // Tried and dropped: BT = 128 with WM = 1 (2 MMAs per ldmatrix: slower than BT = 64 above at
 // every M) and with WM = 2 (255 registers, spills).
 // KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
@@ -282,12 +284,6 @@ __device__ __forceinline__ void tl_done(int k) {
 __device__ __forceinline__ void tl_mark(int, int) {}
 __device__ __forceinline__ void tl_done(int) {}
 #endif
-
-// L2 prefetch by the copy engine (sm_90 cp.async.bulk.prefetch; 16-B aligned, size a multiple
-// of 16). A hint: never changes results.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
@@ -565,26 +561,7 @@ struct GemmShape {
   static_assert(kRedBytes <= kSmemBytes, "the split-K reduction reuses the pipeline memory");
 };
 
-// Bulk prefetch of one n-block's whole weight slab (codes and scales, contiguous in the repacked
-// layout) into L2 (v9 at decode: W2 under GEMM1): a whole item's bytes requested at once, where
-// the cp.async ring keeps ST - 1 stages in flight. A hint: no effect on results.
-template <int BT, int WM, int NW, int NK, int KG, int ST>
-__device__ __forceinline__ void prefetch_slab(const GemmArgs& a, int e, int xb) {
-  using S = GemmShape<BT, WM, NW, NK, KG, ST>;
-  if (threadIdx.x != 0) return;  // a few large bulk prefetches (uniform operands: one thread)
-  const long long kg_count = a.k / 64;
-  const long long m0 = static_cast<long long>(e) * a.mt + xb * S::kMTiles;
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(a.codes + m0 * kg_count * 32);
-  const uint8_t* scales = reinterpret_cast<const uint8_t*>(a.scales + m0 * kg_count * 8);
-  const long long cbytes = S::kMTiles * kg_count * 512, sbytes = S::kMTiles * kg_count * 128;
-  constexpr long long kChunk = 32 << 10;  // slabs are 128-B multiples, 16-B aligned
-  for (long long o = 0; o < cbytes; o += kChunk)
-    prefetch_l2(codes + o, static_cast<uint32_t>(min(kChunk, cbytes - o)));
-  for (long long o = 0; o < sbytes; o += kChunk)
-    prefetch_l2(scales + o, static_cast<uint32_t>(min(kChunk, sbytes - o)));
-}
-
-// Epilogue of one work item, shared by the mma.sync (v6, v9) and wgmma (v8) GEMMs. acc[w][n][c]
+// Epilogue of one work item, shared by the mma.sync (v6) and wgmma (v8) GEMMs. acc[w][n][c]
 // is the accumulator of m-tile (mt0 + wm * WM + w), n-tile n, in the m16n8 fragment layout
 // (c0/c1 row g, c2/c3 row g + 8, columns 2 t4 and 2 t4 + 1), which wgmma's m64nN accumulator
 // repeats per 8 columns. `active`: this warp holds the item's final sums (split-K: k-warp 0).
@@ -674,7 +651,7 @@ __device__ __forceinline__ uint32_t b_lane_off(const int row_chunks, const int l
   return (row * row_chunks + (((lane >> 3) ^ row) & 7)) * 16;
 }
 
-// One k-group (4 k-steps) of one warp, shared by v6 and v9: dequantize the A fragments of
+// One k-group (4 k-steps) of one warp (v6's gemm_tile): dequantize the A fragments of
 // its WM m-tiles (codes q, bf16 scales sc: the lane's 16 bytes of each) and multiply them by the
 // NT token n-tiles, read with ldmatrix from a swizzled tile in shared memory at a_s: token row r
 // holds row_chunks 16-byte chunks, chunk kg * 8 + c stored at kg * 8 + (c ^ r % 8). b_off: this
@@ -753,19 +730,16 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // of every stage (split-K inside the block: more warps per SM for the same bytes in flight);
 // the NK partial accumulators are summed through shared memory at the end in a fixed order.
 // gemm_tile computes one work item: tile `tile` (BT positions of one expert) x n-block `xb`
-// (kMTiles m-tiles). Called once per block by the v6 kernel (grid = n-blocks x tiles) and in a
-// loop by v9's persistent blocks. `trigger`: issue launch_dependents after the main loop (v6).
+// (kMTiles m-tiles), and issues launch_dependents after its main loop. Called once per block by
+// moe_gemm_kernel (grid = n-blocks x tiles) and in a loop over tiles by moe_gemm_loop_kernel.
 // Returns with the block's shared memory still in use by the epilogue of some warps: the
-// caller's __syncthreads separates two items. `e_pre` / `r_pre` (v9, which routes in shared
-// memory): the tile's expert and, for thread i < BT, the route at position i.
+// caller's __syncthreads separates two items.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
-                                          const bool trigger, const int e_pre = -1,
-                                          const int r_pre = -1) {
+__device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
-  const int e = e_pre >= 0 ? e_pre : a.tile_expert[tile];
+  const int e = a.tile_expert[tile];
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -800,7 +774,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
     if constexpr (GATED) {
-      const int r = e_pre >= 0 ? r_pre : a.sorted_route[pos];  // BT <= T: i == tid
+      const int r = a.sorted_route[pos];
       row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
     } else {
       row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
@@ -893,7 +867,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   }
   cp_async_wait<0>();
   tl_mark(GATED ? 1 : 2, 2);
-  if (trigger) pdl_launch_dependents();
+  pdl_launch_dependents();
 
   // Split-K: the NK k-warps' partial sums meet in k-warp 0 (pipeline memory is idle now).
   if constexpr (NK > 1) {
@@ -912,7 +886,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x);
   tl_done(GATED ? 1 : 2);
 }
 
@@ -927,7 +901,7 @@ __global__ void __launch_bounds__(NW * NK * 32, 2) moe_gemm_loop_kernel(const Ge
   const int num_tiles = *a.num_tiles;
   for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
     if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x, true);
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x);
   }
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
 }
@@ -1358,137 +1332,6 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   tl_done(3);
 }
 
-// ------------------------------------ v9: fused decode ----------------------------------------
-
-// v9: a whole call of at most kDecMaxRoutes routes (M <= 8 at top-8) in one persistent kernel,
-// every block resident (cooperative launch): each block routes the call itself in shared memory
-// (no route kernel, no index round trips through global memory), then GEMM1 work items, a grid
-// barrier, GEMM2 work items, a grid barrier, and the norm + weighted sum. The GEMM items are v6's
-// gemm_tile at BT 8 with v6's split-K and GEMM2 rows, so the outputs equal v6's bit for bit.
-// Calls with at most `prefetch_tiles` tiles bulk-prefetch their W2 slabs into L2 at the start,
-// so W2 streams in under GEMM1 instead of after the first barrier.
-constexpr int kDecMaxRoutes = 64;
-constexpr int kDecBt = 8;
-#define EXPERTD_DEC_SHAPE 8, 1, 2, 4, 4, 6  // BT, WM, NW, NK, KG, ST (both GEMMs)
-using DecShape = GemmShape<EXPERTD_DEC_SHAPE>;
-
-struct DecodeArgs {
-  GemmArgs g1, g2;
-  const int* topk_ids;
-  const float* topk_weights;
-  const int* local_of;
-  uint16_t* out;
-  unsigned* bar;         // [2]: arrivals, departures; zero between calls (the last block resets)
-  int num_experts, el, routes, top_k, m, h;
-  int nx1, nx2, nparts, prefetch_tiles;
-};
-
-// All blocks arrive, then continue once `target` arrivals are counted (monotonic within a call).
-__device__ __forceinline__ void grid_barrier(unsigned* ctr, const unsigned target) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's writes (ordered before by the barrier) before the arrival
-    atomicAdd(ctr, 1u);
-    unsigned v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ctr) : "memory");
-    } while (v < target);
-  }
-  __syncthreads();
-}
-
-__global__ void __launch_bounds__(DecShape::kThreads) moe_decode_kernel(const DecodeArgs d) {
-  __shared__ int s_e[kDecMaxRoutes];       // local expert of route r, -1: not owned here
-  __shared__ int s_pos[kDecMaxRoutes];     // its position (tile * 8 + slot), -1
-  __shared__ int s_tiles[kDecMaxRoutes];   // tiles of the expert this route leads, else 0
-  __shared__ int s_tile_e[kDecMaxRoutes];  // expert of each tile
-  __shared__ int s_route[kDecMaxRoutes * kDecBt];  // route at each position, -1: padding
-  __shared__ int s_ntiles;
-  __shared__ float s_coef[kDecMaxRoutes];
-  __shared__ int s_cpos[kDecMaxRoutes];
-  const int tid = threadIdx.x;
-  const unsigned G = gridDim.x;
-  pdl_wait();  // the previous call's kernels are done with the workspace
-
-  // Routing, identical in every block: experts in ascending order, each expert's routes in
-  // route order padded to whole tiles of 8 positions.
-  int e = -1;
-  if (tid < d.routes) e = local_expert(d.topk_ids, d.local_of, tid, d.num_experts, d.el);
-  if (tid < kDecMaxRoutes) s_e[tid] = e;
-  for (int i = tid; i < kDecMaxRoutes * kDecBt; i += blockDim.x) s_route[i] = -1;
-  __syncthreads();
-  int within = 0, cnt = 0;
-  if (tid < kDecMaxRoutes && e >= 0)
-    for (int r = 0; r < kDecMaxRoutes; ++r)
-      if (s_e[r] == e) {
-        ++cnt;
-        within += r < tid;
-      }
-  if (tid < kDecMaxRoutes)
-    s_tiles[tid] = (e >= 0 && within == 0) ? (cnt + kDecBt - 1) / kDecBt : 0;
-  __syncthreads();
-  if (tid < kDecMaxRoutes) {
-    int before = 0, total = 0;
-    for (int r = 0; r < kDecMaxRoutes; ++r) {
-      const int n = s_tiles[r];
-      total += n;
-      if (n && s_e[r] < e) before += n;
-    }
-    int pos = -1;
-    if (e >= 0) {
-      pos = before * kDecBt + within;
-      s_route[pos] = tid;
-      for (int j = 0; j < s_tiles[tid]; ++j) s_tile_e[before + j] = e;
-    }
-    s_pos[tid] = pos;
-    if (tid == 0) s_ntiles = total;
-  }
-  __syncthreads();
-  const int num_tiles = s_ntiles;
-
-  // W2 into L2 under GEMM1 (one thread per block issues its items' slab prefetches).
-  const int items1 = num_tiles * d.nx1, items2 = num_tiles * d.nx2;
-  if (num_tiles <= d.prefetch_tiles)
-    for (int w = blockIdx.x; w < items2; w += G)
-      prefetch_slab<EXPERTD_DEC_SHAPE>(d.g2, s_tile_e[w / d.nx2], w % d.nx2);
-
-  for (int w = blockIdx.x; w < items1; w += G) {
-    const int tile = w / d.nx1;
-    gemm_tile<EXPERTD_DEC_SHAPE, true>(d.g1, tile, w % d.nx1, false, s_tile_e[tile],
-                                       tid < kDecBt ? s_route[tile * kDecBt + tid] : -1);
-    __syncthreads();  // the item's shared memory is free again
-  }
-  grid_barrier(d.bar, G);
-  for (int w = blockIdx.x; w < items2; w += G) {
-    const int tile = w / d.nx2;
-    gemm_tile<EXPERTD_DEC_SHAPE, false>(d.g2, tile, w % d.nx2, false, s_tile_e[tile]);
-    __syncthreads();
-  }
-  grid_barrier(d.bar, 2 * G);
-
-  // Norm + weighted sum: block b takes token b % M and slice b / M of its H / 8 chunks (the host
-  // launches at least M blocks).
-  const int slices = static_cast<int>(G) / d.m;
-  if (static_cast<int>(blockIdx.x) < d.m * slices) {
-    const int t = blockIdx.x % d.m, sl = blockIdx.x / d.m, chunks = d.h / 8;
-    const int c0 = static_cast<int>(static_cast<long long>(chunks) * sl / slices);
-    const int c1 = static_cast<int>(static_cast<long long>(chunks) * (sl + 1) / slices);
-    finalize_coefs(t, s_pos, d.topk_weights, d.top_k, d.g2.partial, d.nparts, d.g2.pcap, d.h,
-                   s_coef, s_cpos);
-    for (int c = c0 + tid; c < c1; c += blockDim.x)
-      finalize_chunk(t, c, d.top_k, s_coef, s_cpos, d.g2.out, d.h, d.out);
-  }
-  // Departure: the last block out resets both counters for the next call.
-  __syncthreads();
-  if (tid == 0) {
-    const unsigned done = atomicAdd(d.bar + 1, 1u);
-    if (done == G - 1) {
-      d.bar[0] = 0;
-      d.bar[1] = 0;
-    }
-  }
-}
-
 // ------------------------------------ host side ----------------------------------------------
 
 thread_local char g_error[512] = "";
@@ -1509,7 +1352,7 @@ int check_launch(const char* what) {
 
 struct Plan {
   int bt;
-  int path;  // 6, 7 (mma.sync) or 8 (wgmma)
+  int path;  // 6 (mma.sync) or 8 (wgmma)
   int t_max;
   int pcap;
   int nparts;  // GEMM2 n-blocks = H / rows per block
@@ -1583,25 +1426,21 @@ int g1_rows_for(int bt, int path) {
 }
 
 // GEMM path per call: v6 = mma.sync, grid (n-blocks, t_max); v8 = wgmma (sm_90a warpgroup
-// MMA), grid as v6; v9 = the fused decode kernel (BT 8, calls of at most kDecMaxRoutes routes;
-// v6 for larger BT 8 calls). v6 and v9 share their arithmetic (bit-identical outputs); v8 sums K
-// in another order (no split-K). Default by tile size: v8 from BT = kV8MinBt where compiled, v6
-// below (v9, an experiment, 4-25 us slower than v6 at M = 1-8; H200 runs in NOTES.md).
-// EXPERTD_KERNEL_PATH=6 / 8 / 9 forces a path wherever the tile size has it (benchmark A/B,
-// tests of each); any other value forces nothing.
+// MMA), grid as v6; v8 sums K in another order than v6 (no split-K). Default by tile size: v8
+// from BT = kV8MinBt where compiled, v6 below. EXPERTD_KERNEL_PATH=6 / 8 forces a path wherever
+// the tile size has it (benchmark A/B, tests of each); any other value forces nothing (so does 9,
+// the removed fused decode kernel's).
 constexpr int kV8MinBt = 32;
 int forced_path() {
   const char* v = getenv("EXPERTD_KERNEL_PATH");
   if (!(v && v[0])) return 0;
   const char c = v[0] == 'v' ? v[1] : v[0];
-  return c == '6' ? 6 : c == '8' ? 8 : c == '9' ? 9 : 0;
+  return c == '6' ? 6 : c == '8' ? 8 : 0;
 }
 int kernel_path(int bt) {
   const int f = forced_path();
   const bool wg = g1_rows_for(bt, 8) != 0, mma = g1_rows_for(bt, 6) != 0;
-  const bool dec = bt == kDecBt;
   if (f == 8 && wg) return 8;
-  if (f == 9 && dec) return 9;
   if (f == 6 && mma) return 6;
   // the default (also where a forced path has no configuration for this BT)
   if (wg && (bt >= kV8MinBt || !mma)) return 8;
@@ -1615,8 +1454,8 @@ Plan make_plan(long long m, int top_k, int h, int el, int bt, int path) {
   p.bt = bt;
   p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
   p.pcap = p.t_max * bt;
-  p.g1_rows = g1_rows_for(bt, path == 9 ? 6 : path);  // v9's GEMM items: v6's at BT 8
-  const int g2 = g2_rows_for(bt, path == 9 ? 6 : path);
+  p.g1_rows = g1_rows_for(bt, path);
+  const int g2 = g2_rows_for(bt, path);
   p.nparts = g2 ? h / g2 : 0;
   return p;
 }
@@ -1629,25 +1468,19 @@ bool use_pdl() {
   return !(v && v[0] == '0');
 }
 
-// coop: a cooperative launch (every block resident at once, or the launch fails), for kernels
-// with grid barriers.
 template <typename Kernel, typename... Args>
-int launch_ex(const char* what, bool coop, Kernel kernel, dim3 grid, dim3 block, size_t smem,
-              cudaStream_t stream, Args... args) {
+int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+           Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   int n = 0;
   if (use_pdl()) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (coop) {
-    attr[n].id = cudaLaunchAttributeCooperative;
-    attr[n++].val.cooperative = 1;
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
@@ -1659,16 +1492,9 @@ int launch_ex(const char* what, bool coop, Kernel kernel, dim3 grid, dim3 block,
   return check_launch(what);
 }
 
-template <typename Kernel, typename... Args>
-int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-           Args... args) {
-  return launch_ex(what, false, kernel, grid, block, smem, stream, args...);
-}
-
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct Carve {
-  unsigned* bar;  // v9's grid-barrier counters: zero with the workspace and after each call
   int* num_tiles;
   int* tile_expert;
   int* sorted_route;
@@ -1688,7 +1514,6 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     o += align256(bytes);
     return ptr;
   };
-  c.bar = reinterpret_cast<unsigned*>(take(2 * sizeof(unsigned)));
   c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
@@ -1709,9 +1534,10 @@ int decode_alt() {
 }
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
 // where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
-// calls 6 at <= 16 routes, 11 from 256 routes, 7 between, and 7 whenever a path is forced (v9's
-// tests compare v6 with its arithmetic, which 7 keeps); 12 for BT 16 (alt 7's shape;
-// bit-identical to the table's BT 16). See the alternatives' table for the measurements.
+// calls 6 at <= 16 routes, 11 from 256 routes, 7 between, and 7 whenever a path is forced (the
+// table's sum order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12
+// for BT 16 (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for
+// the measurements.
 constexpr long long kSplitK8MaxRoutes = 16;
 constexpr long long kNk2MinRoutes = 256;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
@@ -1722,22 +1548,6 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   if (bt != 8) return 0;
   if (forced_path() != 0) return 7;
   return routes <= kSplitK8MaxRoutes ? 6 : routes >= kNk2MinRoutes ? 11 : 7;
-}
-
-// v9: blocks of the fused decode kernel (all resident: blocks per SM x SMs, from the occupancy
-// calculator at expertd_init; 0 = unknown, then v9 calls run v6). EXPERTD_KERNEL_DEC_BLOCKS caps it
-// (experiment; below kDecMaxRoutes it is ignored).
-int g_dec_blocks = 0;
-int dec_blocks() {
-  const char* v = getenv("EXPERTD_KERNEL_DEC_BLOCKS");
-  const int cap = (v && v[0]) ? atoi(v) : 0;
-  return (cap >= kDecMaxRoutes && cap < g_dec_blocks) ? cap : g_dec_blocks;
-}
-// v9: calls with at most this many tiles prefetch their W2 into L2 at the start (default 2: up
-// to 2 experts' W2, 20 MiB at muse-spark, under the 50 MB L2); 0 = off.
-int dec_prefetch_tiles() {
-  const char* v = getenv("EXPERTD_KERNEL_DEC_PREFETCH");
-  return (v && v[0]) ? atoi(v) : 2;
 }
 
 // The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
@@ -1909,7 +1719,7 @@ int expertd_set_timeline(void* buf) {
 #endif
 }
 
-// The GEMM path (6, 8 or 9) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
+// The GEMM path (6 or 8) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
 // one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
 int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
@@ -1970,18 +1780,6 @@ int expertd_init(void) {
   if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
   EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
 #undef EXPERTD_INIT_WG
-  if (cudaFuncSetAttribute(moe_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           DecShape::kSmemBytes) != cudaSuccess)
-    return check_launch("cudaFuncSetAttribute (v9)");
-  int occ = 0, dev = 0, sms = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel, DecShape::kThreads,
-                                                    DecShape::kSmemBytes) != cudaSuccess ||
-      cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    occ = 0;
-    cudaGetLastError();
-  }
-  g_dec_blocks = occ * sms >= kDecMaxRoutes ? occ * sms : 0;
   return 0;
 }
 
@@ -2002,12 +1800,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
   if (path == 8 && (a.m * a.h >= (1LL << 31) || static_cast<long long>(p.pcap) * a.inter >= (1LL << 31))) {
     if (!g1_rows_for(bt, 6)) return fail(1, "call too large for this tile size: split it");
-    path = 6;
-    p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
-  }
-  // v9 runs calls of at most kDecMaxRoutes routes whose K fits its k-stage; others take v6.
-  if (path == 9 && (a.m * a.top_k > kDecMaxRoutes || dec_blocks() == 0 || a.h % DecShape::kBK ||
-                    a.inter % DecShape::kBK)) {
     path = 6;
     p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   }
@@ -2046,29 +1838,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
-
-  if (path == 9) {
-    DecodeArgs d{};
-    d.g1 = g1;
-    d.g2 = g2;
-    d.topk_ids = a.topk_ids;
-    d.topk_weights = static_cast<const float*>(a.topk_weights);
-    d.local_of = a.local_of;
-    d.out = static_cast<uint16_t*>(a.out);
-    d.bar = c.bar;
-    d.num_experts = a.num_experts;
-    d.el = a.el;
-    d.routes = routes;
-    d.top_k = a.top_k;
-    d.m = static_cast<int>(a.m);
-    d.h = a.h;
-    d.nx1 = (2 * a.inter / 16) / DecShape::kMTiles;
-    d.nx2 = (a.h / 16) / DecShape::kMTiles;
-    d.nparts = p.nparts;
-    d.prefetch_tiles = dec_prefetch_tiles();
-    return launch_ex("moe_decode_kernel (v9)", true, moe_decode_kernel, dim3(dec_blocks()),
-                     dim3(DecShape::kThreads), DecShape::kSmemBytes, stream, d);
-  }
 
   if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
