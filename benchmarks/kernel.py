@@ -307,7 +307,7 @@ def main() -> int:
                             "EXPERTD_KERNEL_WG_RING": ring,
                         }
         if m <= args.dec_alt_max:  # v6 decode alternatives (moe_nvfp4.cu: 6 split-K over 8
-            for alt in args.dec_alts.split(","):  # warps, 7 and 9: 2 k-groups per warp per stage)
+            for alt in args.dec_alts.split(","):  # warps, 7 / 11 / 12: 2-4 k-groups per stage)
                 if alt:
                     variants[f"v6_alt{alt}"] = {
                         "EXPERTD_KERNEL_PATH": "6",
