@@ -9,9 +9,8 @@ Shape legend:
 Resident form of one projection stack [El, N, K]:
     codes   uint8 [El, Mt, Kg, 32 lanes, 16 B]: lane (g, t) holds, for each k-step ks of the
             group, the 32-bit word ks with the 8 codes of its m16n8k16 A fragment: value (reg, h)
-            is (row, k) = (g + 8 (reg % 2), 2t + h + 8 (reg // 2)) within the m-tile / k-step, its
-            sign at bit NIBBLE_LAYOUT[reg][0] + 16 h and its 3 magnitude bits from
-            NIBBLE_LAYOUT[reg][1] + 16 h (see e2m1x8_to_bf16x8 in moe_nvfp4.cu).
+            is (row, k) = (g + 8 (reg % 2), 2t + h + 8 (reg // 2)) within the m-tile / k-step;
+            its 4 code bits sit where e2m1_regs (the kernel's e2m1x8_to_bf16x8) takes them from.
     scales  bf16 bits, uint8 [El, Mt, Kg, 8 g, 4 ks, 2 rows, 2 B]: fp8 scale * 2^119 (exact) of
             rows g and g+8 for k-step ks.
 Gate and up are interleaved first: m-tile m = gate rows 8m..8m+7 then up rows 8m..8m+7.
@@ -19,15 +18,62 @@ Gate and up are interleaved first: m-tile m = gate rows 8m..8m+7 then up rows 8m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from expertd.kernels.nvfp4 import Nvfp4Weight, unpack_codes
 
-# A register -> (sign bit, lowest magnitude bit) of its first value in the word; the kernel moves
-# them to bf16 bits 15 and 6-8. Chosen by an exhaustive search for the fewest ALU ops.
-NIBBLE_LAYOUT = ((15, 6), (9, 0), (10, 3), (11, 12))
+# E2M1 -> bf16 by moving bits: output register reg of a code word q holds two values, each with
+# its sign at bf16 bit 15 and its 3 magnitude bits at 6-8 (exponent LSBs + mantissa MSB): value *
+# 2^-126 exactly. E2M1_LAYOUT picks the bit operations (and so where the repack puts each code
+# bit); the kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu, built with the same choice) does the same.
+#   10 (default): 10 ops for 4 registers (session 7's search: two rotations and two carry-free
+#       multiplies of a masked word, (x & M) * (1 + 2^s), then a mask each);
+#   11: the earlier 11-op layout (two plain masks / shifts, two shift-shift-and-or), kept to time
+#       against (EXPERTD_KERNEL_E2M1_LAYOUT=11 at repack and build time).
+E2M1_LAYOUT = int(os.environ.get("EXPERTD_KERNEL_E2M1_LAYOUT", "10"))
+_P = 0x81C081C0  # bf16 bits 15, 8, 7, 6 of both halves
+_M32 = 0xFFFFFFFF
+
+
+def _rotl(x, s: int):
+    return ((x << s) | (x >> (32 - s))) & _M32
+
+
+def e2m1_regs(q):
+    """The kernel's 4 output registers of code word q (int or int64 tensor, 32 bits used)."""
+    if E2M1_LAYOUT == 11:
+        return (
+            q & _P,
+            ((q << 6) & _M32) & _P,
+            (((q << 5) & _M32) & 0x80008000) | (((q << 3) & _M32) & 0x01C001C0),
+            (((q << 4) & _M32) & 0x80008000) | ((q >> 6) & 0x01C001C0),
+        )
+    return (
+        _rotl(q, 8) & _P,
+        (((q & 0x02460246) * 65) & _M32) & _P,
+        _rotl(q, 12) & _P,
+        (((q & 0x21302130) * 5) & _M32) & _P,
+    )
+
+
+def _code_bit_positions() -> list[list[list[int]]]:
+    """[reg][h][code bit b] -> the bit of q that e2m1_regs moves to that value's bf16 bit for
+    code bit b (0: mantissa -> 6, 1, 2: exponent -> 7, 8, 3: sign -> 15; + 16 h). Found by
+    sending each single bit of q through e2m1_regs; every (reg, bf16 bit) gets exactly one."""
+    src: dict[tuple[int, int], int] = {}
+    for j in range(32):
+        for reg, out in enumerate(e2m1_regs(1 << j)):
+            if out:
+                if out & (out - 1) or (reg, out.bit_length() - 1) in src:
+                    raise AssertionError(f"layout {E2M1_LAYOUT}: q bit {j} is not a clean move")
+                src[(reg, out.bit_length() - 1)] = j
+    dst = (6, 7, 8, 15)
+    return [[[src[(reg, d + 16 * h)] for d in dst] for h in range(2)] for reg in range(4)]
+
+
 SCALE_SHIFT = 119  # resident bf16 scale = fp8 * 2^119; the kernel's product is W / (gs * 2^7)
 
 
@@ -65,11 +111,9 @@ def scale_gather_index(device: torch.device | str = "cpu") -> torch.Tensor:
     return ((g + 8 * half) * 4 + ks).to(device)
 
 
-def _bit_positions(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sign position and magnitude base position of value (reg, h): two int64 [4, 2]."""
-    lay = torch.tensor(NIBBLE_LAYOUT, dtype=torch.int64, device=device)  # [4, 2]
-    h16 = 16 * torch.arange(2, device=device).view(1, 2)
-    return lay[:, 0:1] + h16, lay[:, 1:2] + h16
+def _bit_positions(device) -> torch.Tensor:
+    """int64 [4 reg, 2 h, 4 code bits]: where each code bit of value (reg, h) goes in the word."""
+    return torch.tensor(_code_bit_positions(), dtype=torch.int64, device=device)
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,9 +134,10 @@ def pack_codes_scales(codes: torch.Tensor, scales_u8: torch.Tensor) -> PackedPro
     dev = codes.device
     tiles = codes.view(el, mt, 16, kg, 64).permute(0, 1, 3, 2, 4).reshape(el, mt, kg, 1024)
     vals = tiles[..., code_gather_index(dev).view(-1)].view(el, mt, kg, 32, 4, 4, 2).long()
-    sign_pos, mag_pos = _bit_positions(dev)  # [4 reg, 2 h]
-    bits = ((vals >> 3) & 1) << sign_pos | (vals & 7) << mag_pos  # disjoint bit fields
-    words = bits.sum(dim=(-2, -1))  # [El, Mt, Kg, 32, 4 ks]
+    pos = _bit_positions(dev)  # [4 reg, 2 h, 4 code bits]
+    cb = torch.arange(4, device=dev)
+    bits = ((vals.unsqueeze(-1) >> cb) & 1) << pos  # [..., 4 reg, 2 h, 4]: disjoint single bits
+    words = bits.sum(dim=(-3, -2, -1))  # [El, Mt, Kg, 32, 4 ks]
     shifts = torch.arange(4, device=dev) * 8
     packed = ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).view(el, mt, kg, 32, 16)
     st = scales_u8.view(el, mt, 16, kg, 4).permute(0, 1, 3, 2, 4).reshape(el, mt, kg, 64)
@@ -149,17 +194,11 @@ def emulate_dequant(p: PackedProjection) -> torch.Tensor:
     )  # [el, mt, kg, g, ks, half]
     lane = torch.arange(32)
     g = lane // 4
-    m32 = 0xFFFFFFFF
     row, kk = _value_coords()  # [32, 4 reg, 2 h]
     out = torch.zeros((el, mt, kg, 16, 64), dtype=torch.float32)
     for ks in range(4):
         q = words[..., ks]  # [el, mt, kg, 32]
-        regs = (
-            q & 0x81C081C0,
-            ((q << 6) & m32) & 0x81C081C0,
-            (((q << 5) & m32) & 0x80008000) | (((q << 3) & m32) & 0x01C001C0),
-            (((q << 4) & m32) & 0x80008000) | ((q >> 6) & 0x01C001C0),
-        )
+        regs = e2m1_regs(q)
         for reg in range(4):
             for h in range(2):
                 v = _bf16_from_bits((regs[reg] >> (16 * h)) & 0xFFFF)  # E2M1 * 2^-126

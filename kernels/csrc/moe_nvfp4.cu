@@ -30,7 +30,7 @@
 //   codes  uint4 [El][Mt][K/64][32 lanes]: the 16 bytes lane (g = lane/4, t = lane%4) of a warp
 //          needs for 4 k-steps of one m-tile (16 rows x 64 k). Word ks holds the 8 E2M1 codes of
 //          the lane's A fragment for k-step ks (rows g, g+8 x k 2t, 2t+1, 2t+8, 2t+9), with the
-//          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 11 ops for 4 registers.
+//          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 10 ops for 4 registers.
 //   scales bf16 [El][Mt][K/64][8 g][4 ks][2]: fp8 scale * 2^119 (exact) of rows g and g+8 for
 //          k-step ks; one 32-bit word per k-step (HMUL2 broadcasts each half in its operand).
 //          (v1 kept fp8 and converted in registers: 7 ops per k-step; bf16 costs 11% more bytes
@@ -227,19 +227,33 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 
 // E2M1 -> bf16 by moving bits: a code's sign goes to bf16 bit 15 and its 3 magnitude bits to
 // bits 6-8 (exponent LSBs + mantissa MSB), which yields value * 2^-126 exactly (0.5 becomes a bf16
-// subnormal). The repack stores the 8 codes of one k-step so that each A register needs few ops
-// (found by search: 11 logic/shift ops for 4 registers; see NIBBLE_LAYOUT in repack.py):
-//   reg | sign bit | magnitude bits | ops
-//    0  |    15    |      6-8       | and
-//    1  |     9    |      0-2       | shl 6, and
-//    2  |    10    |      3-5       | shl 5, shl 3, and, lop3
-//    3  |    11    |     12-14      | shl 4, shr 6, and, lop3
-// (+16 for the second value of each register).
+// subnormal). The repack (repack.py: e2m1_regs, the same operations in Python, and the bit
+// positions derived from them) stores the 8 codes of one k-step so that 4 registers take 10 ops
+// (session 7's search over masks, shifts, rotations, byte permutes and carry-free multiplies;
+// none with 9): two rotations and a mask each, and two masked words times 1 + 2^s (the two
+// shifted copies never overlap, so the product is their OR), then a mask:
+//   reg | ops                       | code bits from q
+//    0  | rot 8, and                | 0 7 14 15 16 23 30 31
+//    1  | and, x * 65, and          | 1 2 6 9 17 18 22 25
+//    2  | rot 12, and               | 3 10 11 12 19 26 27 28
+//    3  | and, x * 5, and           | 4 5 8 13 20 21 24 29
+// EXPERTD_E2M1_LAYOUT == 11 (EXPERTD_KERNEL_E2M1_LAYOUT=11 at build and repack time): the earlier
+// 11-op layout (and; shl 6, and; shl 5, shl 3, and, lop3; shl 4, shr 6, and, lop3), to time.
+#ifndef EXPERTD_E2M1_LAYOUT
+#define EXPERTD_E2M1_LAYOUT 10
+#endif
 __device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
+#if EXPERTD_E2M1_LAYOUT == 11
   r[0] = q & 0x81C081C0u;
   r[1] = (q << 6) & 0x81C081C0u;
   r[2] = ((q << 5) & 0x80008000u) | ((q << 3) & 0x01C001C0u);
   r[3] = ((q << 4) & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
+#else
+  r[0] = __funnelshift_l(q, q, 8) & 0x81C081C0u;
+  r[1] = ((q & 0x02460246u) * 65u) & 0x81C081C0u;
+  r[2] = __funnelshift_l(q, q, 12) & 0x81C081C0u;
+  r[3] = ((q & 0x21302130u) * 5u) & 0x81C081C0u;
+#endif
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
