@@ -63,12 +63,9 @@ NVCC_FLAGS = (
 def nvcc_flags() -> tuple[str, ...]:
     """NVCC_FLAGS, plus -DEXPERTD_TIMELINE under EXPERTD_KERNEL_TIMELINE=1 (a separate library:
     the flags are part of the cache key)."""
-    flags = NVCC_FLAGS
     if os.environ.get("EXPERTD_KERNEL_TIMELINE", "") == "1":
-        flags = (*flags, "-DEXPERTD_TIMELINE")
-    if os.environ.get("EXPERTD_KERNEL_E2M1_LAYOUT", "") == "11":  # must match the repack's
-        flags = (*flags, "-DEXPERTD_E2M1_LAYOUT=11")
-    return flags
+        return (*NVCC_FLAGS, "-DEXPERTD_TIMELINE")
+    return NVCC_FLAGS
 
 
 def cache_dir() -> Path:

@@ -18,7 +18,6 @@ Gate and up are interleaved first: m-tile m = gate rows 8m..8m+7 then up rows 8m
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +26,10 @@ from expertd.kernels.nvfp4 import Nvfp4Weight, unpack_codes
 
 # E2M1 -> bf16 by moving bits: output register reg of a code word q holds two values, each with
 # its sign at bf16 bit 15 and its 3 magnitude bits at 6-8 (exponent LSBs + mantissa MSB): value *
-# 2^-126 exactly. E2M1_LAYOUT picks the bit operations (and so where the repack puts each code
-# bit); the kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu, built with the same choice) does the same.
-#   10 (default): 10 ops for 4 registers (session 7's search: two rotations and two carry-free
-#       multiplies of a masked word, (x & M) * (1 + 2^s), then a mask each);
-#   11: the earlier 11-op layout (two plain masks / shifts, two shift-shift-and-or), kept to time
-#       against (EXPERTD_KERNEL_E2M1_LAYOUT=11 at repack and build time).
-E2M1_LAYOUT = int(os.environ.get("EXPERTD_KERNEL_E2M1_LAYOUT", "10"))
+# 2^-126 exactly. 10 ops for 4 registers (session 7's search: two rotations and two carry-free
+# multiplies of a masked word, (x & M) * (1 + 2^s), then a mask each; the earlier layout took
+# 11). The kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu) does the same operations; the repack puts each
+# code bit where they take it from (_code_bit_positions).
 _P = 0x81C081C0  # bf16 bits 15, 8, 7, 6 of both halves
 _M32 = 0xFFFFFFFF
 
@@ -44,13 +40,6 @@ def _rotl(x, s: int):
 
 def e2m1_regs(q):
     """The kernel's 4 output registers of code word q (int or int64 tensor, 32 bits used)."""
-    if E2M1_LAYOUT == 11:
-        return (
-            q & _P,
-            ((q << 6) & _M32) & _P,
-            (((q << 5) & _M32) & 0x80008000) | (((q << 3) & _M32) & 0x01C001C0),
-            (((q << 4) & _M32) & 0x80008000) | ((q >> 6) & 0x01C001C0),
-        )
     return (
         _rotl(q, 8) & _P,
         (((q & 0x02460246) * 65) & _M32) & _P,
@@ -68,7 +57,7 @@ def _code_bit_positions() -> list[list[list[int]]]:
         for reg, out in enumerate(e2m1_regs(1 << j)):
             if out:
                 if out & (out - 1) or (reg, out.bit_length() - 1) in src:
-                    raise AssertionError(f"layout {E2M1_LAYOUT}: q bit {j} is not a clean move")
+                    raise AssertionError(f"q bit {j} is not a clean move")
                 src[(reg, out.bit_length() - 1)] = j
     dst = (6, 7, 8, 15)
     return [[[src[(reg, d + 16 * h)] for d in dst] for h in range(2)] for reg in range(4)]

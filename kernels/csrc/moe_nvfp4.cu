@@ -237,23 +237,14 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 //    1  | and, x * 65, and          | 1 2 6 9 17 18 22 25
 //    2  | rot 12, and               | 3 10 11 12 19 26 27 28
 //    3  | and, x * 5, and           | 4 5 8 13 20 21 24 29
-// EXPERTD_E2M1_LAYOUT == 11 (EXPERTD_KERNEL_E2M1_LAYOUT=11 at build and repack time): the earlier
-// 11-op layout (and; shl 6, and; shl 5, shl 3, and, lop3; shl 4, shr 6, and, lop3), to time.
-#ifndef EXPERTD_E2M1_LAYOUT
-#define EXPERTD_E2M1_LAYOUT 10
-#endif
+// The earlier 11-op layout (and; shl 6, and; shl 5, shl 3, and, lop3; shl 4, shr 6, and, lop3),
+// timed against this one on the H200 in session 7 (NOTES.md): the same within 1% to M = 1024,
+// 4-5% slower at M = 4096.
 __device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
-#if EXPERTD_E2M1_LAYOUT == 11
-  r[0] = q & 0x81C081C0u;
-  r[1] = (q << 6) & 0x81C081C0u;
-  r[2] = ((q << 5) & 0x80008000u) | ((q << 3) & 0x01C001C0u);
-  r[3] = ((q << 4) & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
-#else
   r[0] = __funnelshift_l(q, q, 8) & 0x81C081C0u;
   r[1] = ((q & 0x02460246u) * 65u) & 0x81C081C0u;
   r[2] = __funnelshift_l(q, q, 12) & 0x81C081C0u;
   r[3] = ((q & 0x21302130u) * 5u) & 0x81C081C0u;
-#endif
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
