@@ -172,6 +172,20 @@ struct Args {
 // within blocks), so the 4 HGMMAs issue back to back and all ALU ops overlap their execution.
 // 2 = ping-pong between the block's two warpgroups; 3-5 = the tensor and ALU work split between
 // them (see the loop). 2-5 need blocks of 2 warpgroups.
+// End of a bench block: one value per thread (keeps the accumulators and A registers live) and,
+// from thread 0, the block's clock64 span and SM.
+__device__ __forceinline__ void finish_block(const Args& args, long long t0, long long t1,
+                                             float v) {
+  args.out[blockIdx.x * blockDim.x + threadIdx.x] = v;
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    args.rec[blockIdx.x * 3 + 0] = t0;
+    args.rec[blockIdx.x * 3 + 1] = t1;
+    args.rec[blockIdx.x * 3 + 2] = sm;
+  }
+}
+
 // Named barriers 1 and 2 over the block's 256 threads (barrier 0 is __syncthreads).
 __device__ __forceinline__ void named_sync(int id) {
   asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
@@ -281,14 +295,7 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
   for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
     for (int c = 0; c < 4; ++c) x ^= a0[ks][c] ^ (ALU > 0 ? a1[ks][c] : 0u);
-  args.out[blockIdx.x * blockDim.x + threadIdx.x] = s + static_cast<float>(x & 1u);
-  if (threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-    args.rec[blockIdx.x * 3 + 0] = t0;
-    args.rec[blockIdx.x * 3 + 1] = t1;
-    args.rec[blockIdx.x * 3 + 2] = sm;
-  }
+  finish_block(args, t0, t1, s + static_cast<float>(x & 1u));
 }
 
 // ------------------------------------ mma.sync (HMMA) ----------------------------------
@@ -400,14 +407,7 @@ __global__ void __launch_bounds__(256, 1) bench_hmma(const Args args) {
     for (int m = 0; m < WM; ++m)
 #pragma unroll
       for (int c = 0; c < 4; ++c) x ^= a[ks][m][c];
-  args.out[blockIdx.x * blockDim.x + threadIdx.x] = s + static_cast<float>(x & 1u);
-  if (threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-    args.rec[blockIdx.x * 3 + 0] = t0;
-    args.rec[blockIdx.x * 3 + 1] = t1;
-    args.rec[blockIdx.x * 3 + 2] = sm;
-  }
+  finish_block(args, t0, t1, s + static_cast<float>(x & 1u));
 }
 
 // ------------------------------------ host ----------------------------------------------

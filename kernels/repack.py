@@ -19,6 +19,7 @@ Gate and up are interleaved first: m-tile m = gate rows 8m..8m+7 then up rows 8m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -48,7 +49,8 @@ def e2m1_regs(q):
     )
 
 
-def _code_bit_positions() -> list[list[list[int]]]:
+@cache
+def _code_bit_positions() -> tuple[tuple[tuple[int, ...], ...], ...]:
     """[reg][h][code bit b] -> the bit of q that e2m1_regs moves to that value's bf16 bit for
     code bit b (0: mantissa -> 6, 1, 2: exponent -> 7, 8, 3: sign -> 15; + 16 h). Found by
     sending each single bit of q through e2m1_regs; every (reg, bf16 bit) gets exactly one."""
@@ -60,7 +62,9 @@ def _code_bit_positions() -> list[list[list[int]]]:
                     raise AssertionError(f"q bit {j} is not a clean move")
                 src[(reg, out.bit_length() - 1)] = j
     dst = (6, 7, 8, 15)
-    return [[[src[(reg, d + 16 * h)] for d in dst] for h in range(2)] for reg in range(4)]
+    return tuple(
+        tuple(tuple(src[(reg, d + 16 * h)] for d in dst) for h in range(2)) for reg in range(4)
+    )
 
 
 SCALE_SHIFT = 119  # resident bf16 scale = fp8 * 2^119; the kernel's product is W / (gs * 2^7)
