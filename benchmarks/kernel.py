@@ -34,7 +34,7 @@ M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
 BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
-WG_BTS = (32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
+WG_BTS = (16, 32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -205,7 +205,7 @@ def main() -> int:
     ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time every path forced")
     ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
-    ap.add_argument("--dec-alts", default="0,6,11", help="v6 decode alternatives (0: the table)")
+    ap.add_argument("--dec-alts", default="0,7,11", help="v6 decode alternatives (0: the table)")
     ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
     ap.add_argument(
@@ -240,7 +240,7 @@ def main() -> int:
         "date": date,
         "kind": args.kind,
         "default_path": kernel_path()
-        or "auto: v6 (mma.sync) at BT 8, v8 (wgmma) from BT 32 (BT per call: expertd_pick_bt)",
+        or "auto: v6 (mma.sync) at BT 8, v8 (wgmma) from BT 16 (BT per call: expertd_pick_bt)",
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
@@ -299,7 +299,7 @@ def main() -> int:
             for spec in args.variant if m >= args.variant_min else ():
                 name, _, env = spec.partition(":")  # --variant NAME:K=V,K=V (kernel switches)
                 variants[name] = parse_env(env)
-            if pick_bt(m, TOP_K, E) >= 32:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
+            if pick_bt(m, TOP_K, E) >= 16:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
                 for ring in args.rings.split(","):
                     if ring:
                         variants["v8ring" + ring] = {
@@ -327,15 +327,15 @@ def main() -> int:
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
-                # v8 sums in another order, and so do decode alternatives 6 and 11, the defaults
-                # of calls of <= 16 / >= 256 routes (a forced path runs 7: moe_nvfp4.cu)
-                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and 16 < m * TOP_K < 256:
+                # v8 sums in another order, and so do decode alternatives 6, 11 and 15 (15: the
+                # default from 128 routes; a forced path runs 7: moe_nvfp4.cu)
+                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and m * TOP_K < 128:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
             elif vname.startswith("rows"):  # the default's arithmetic on a capped grid
                 path_us[vname + "_equal_default"] = bool(torch.equal(out0, graphs[0].replay()))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in ("v6_alt6", "v6_alt11") or vname.startswith("v8"):
+            elif vname in ("v6_alt6", "v6_alt11", "v6_alt15") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             else:  # same arithmetic: v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit

@@ -1,7 +1,7 @@
 """A small forward for compute-sanitizer (memcheck / racecheck / initcheck): preset `small`, a
 shard of 16 experts, a few token counts and every compiled tile size; then a layer whose H and I
-are multiples of 512, where BT 8 calls run the decode alternatives (6 at M = 1, on a grid of 2
-rows; 7; 11 from 256 routes). Exits non-zero on a wrong result.
+are multiples of 512, where BT 8 calls run the decode alternatives (13 below 128 routes, on a
+grid of 2 rows at M = 1; 15 from 128 routes). Exits non-zero on a wrong result.
 Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     cases = ((1, 0), (5, 8), (33, 16), (50, 24), (70, 32), (90, 48), (130, 64), (150, 96))
     runs = (
-        # v8 from BT 32; M = 2100: 16800 routes, multi-block routing
+        # v8 at BT 16 and from 32; M = 2100: 16800 routes, multi-block routing
         (PRESETS["small"], (*cases, (260, 128), (300, 144), (340, 160), (700, 0), (2100, 0))),
         (Preset("k512", 512, 512, 64, 8), ((1, 0), (5, 8), (40, 8))),  # decode alternatives
     )

@@ -15,7 +15,8 @@ Environment:
 Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_PDL      0: no programmatic dependent launch between the kernels
     EXPERTD_KERNEL_PATH     6 or 8: force one GEMM path where the tile size has it (default:
-                            v8 (wgmma) from BT 32, v6 below; any other value forces nothing)
+                            v8 (wgmma) from BT 16 (BT 24: v6), v6 below; any other value
+                            forces nothing)
     EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 2 block barrier, copies after the stage's
                             wgmmas; 3 ring 2 with the next unit dequantized under the current
                             unit's wgmmas. Default: 3 from BT 96, 2 below
@@ -26,8 +27,8 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
                                        none; unset: 2 for calls of <= 8 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
-                                       6 / 7 for BT 8 calls of <= 16 routes / more where H and
-                                       I are multiples of 512; 0: the table's configuration
+                                       13 / 15 for BT 8 calls of < 128 routes / more where H
+                                       and I are multiples of 512; 0: the table's configuration
 
 Run `python -m expertd.kernels.build` to build and print the library path.
 """

@@ -88,7 +88,8 @@ def load_library() -> ctypes.CDLL:
 def kernel_path(bt: int = 0) -> int:
     """The GEMM path (6 or 8) a forward with tile size `bt` takes now; bt = 0: the path
     forced by `EXPERTD_KERNEL_PATH=6|8`, or 0 when none is (then v8, the wgmma GEMM, where the
-    tile size has it from BT = 32, v6 below; moe_nvfp4.cu; any other value forces nothing).
+    tile size has it: BT 16 and from BT = 32; v6 for BT 8 and 24; moe_nvfp4.cu; any other value
+    forces nothing).
 
     Read per call, so a CUDA graph keeps the path it was captured with."""
     return int(load_library().expertd_kernel_path(bt))

@@ -102,7 +102,7 @@ def test_forward_matches_reference(case, backend, path, m):
 @pytest.mark.parametrize(
     "path,bt",
     [(6, bt) for bt in (8, 16, 24, 32, 48, 64)]
-    + [(8, bt) for bt in (32, 48, 64, 96, 128, 144, 160)],
+    + [(8, bt) for bt in (16, 32, 48, 64, 96, 128, 144, 160)],
 )
 def test_every_compiled_tile_size(case, backend, monkeypatch, path, bt):
     # v6 for the mma.sync tiles, v8 for the wgmma ones
@@ -164,13 +164,22 @@ def test_default_path_by_tile_size(backend, monkeypatch):
             monkeypatch.setenv("EXPERTD_KERNEL_PATH", value)
         assert kernel_path() == 0  # nothing forced
         bts = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
-        assert [kernel_path(bt) for bt in bts] == [6, 6, 6, 8, 8, 8, 8, 8, 8, 8]
+        assert [kernel_path(bt) for bt in bts] == [6, 8, 6, 8, 8, 8, 8, 8, 8, 8]
 
 
 # Decode alternatives (moe_nvfp4.cu): id -> (tile size, k per stage, the alternative whose bits
-# it must reproduce: 7 and 12 sum the k-groups of each warp in the table's order). The defaults
-# where H and I are multiples of 512: 6 / 7 for BT 8 calls (<= 16 routes / more), 12 for BT 16.
-DECODE_ALTS = {6: (8, 512, None), 7: (8, 512, 0), 11: (8, 512, None), 12: (16, 512, 0)}
+# it must reproduce: 7, 12, 13 and 14 sum the k-groups of each warp in the table's order, 15 in
+# 11's). The defaults where H and I are multiples of 512: 13 / 11 for BT 8 calls (< 256 routes /
+# more), 12 for BT 16.
+DECODE_ALTS = {
+    6: (8, 512, None),
+    7: (8, 512, 0),
+    11: (8, 512, None),
+    12: (16, 512, 0),
+    13: (8, 512, 0),
+    14: (8, 512, 0),
+    15: (8, 512, 11),
+}
 
 
 @pytest.mark.parametrize("alt", sorted(DECODE_ALTS))
@@ -200,7 +209,7 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
         assert torch.equal(got, want), f"{preset.name}: alt {alt} differs from alt {same_as}"
 
 
-@pytest.mark.parametrize("bt", [32, 48, 64, 96, 128, 144, 160])
+@pytest.mark.parametrize("bt", [16, 32, 48, 64, 96, 128, 144, 160])
 def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     """v8 with the dequantization under the wgmmas (ring 3) computes the block-barrier ring's
     (2) sums: the same bits, at every tile size, tiles of several widths, repeated calls."""

@@ -16,7 +16,7 @@
 // GEMM paths (EXPERTD_KERNEL_PATH=6/8):
 //   v6  mma.sync GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or
 //       not, so most blocks find tile >= num_tiles and exit (80-90% at top-8 of 256, 32 experts).
-//   v8  wgmma GEMMs (from BT 32), same grids.
+//   v8  wgmma GEMMs (BT 16 and from BT 32), same grids.
 //   (v7, persistent grids with L2 prefetches at decode, was removed in session 3: the default
 //   nowhere, 15-25% slower than v6 where it ran. The fused decode kernel, one cooperative launch
 //   per call of <= 64 routes with grid barriers between the GEMMs, was removed in session 7: the
@@ -107,6 +107,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // rounded up to 16 from BT = 64), read from shared memory through a descriptor; the dequantized
 // weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
+//   16 |        2  1  4  3  2  |        2  1  4  3  2  |  85 KB (M = 128-256, session 8)
 //   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
 //      |                       |                       |   of KG 2 / ST 4 / 3 blocks, alt 4)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
@@ -120,6 +121,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   tile, 1 block per SM, 6 stages:
 //      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
+  X(16, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
@@ -154,11 +156,19 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   same sum order as the table's BT 8
 //   11 |  8 |        1  4  2  8  3 |        1  2  2  8  3 | 4 k-groups per warp per stage (8 warps)
 //   12 | 16 |        1  4  4  8  3 |        1  2  4  8  3 | alt 7 at BT 16 (108 KB, 2 blocks/SM)
-// Picked by default (decode_alt_for; H200, NOTES.md, session 4): 6 for BT 8 calls of <= 16
-// routes (M <= 2 at top-8: 3-6% faster than the table), 11 from 256 routes (M >= 32: 2-3% ahead
-// of 7, timed in alternating runs), 7 for the BT 8 calls between (3-10% faster than the table
-// from M = 4, bit-identical to it); the table's BT 8 row where H or I is not a multiple of 512,
-// or EXPERTD_KERNEL_DECODE_ALT=0.
+//   13 |  8 |        1  2  4  8  3 |        1  2  4  8  3 | alt 7 with 32-row GEMM1 blocks (4 of
+//      |    |                      |                      |   8 warps per SM): finer work units
+//      |    |                      |                      |   for the last wave at M = 2-16
+//   14 |  8 |        1  1  4  8  3 |        1  2  4  8  3 | the same with 16-row GEMM1 blocks
+//   15 |  8 |        1  2  2  8  3 |        1  2  2  8  3 | alt 11 with 32-row GEMM1 blocks
+// Picked by default (decode_alt_for; H200, NOTES.md, session 8, timed in alternating runs): 13
+// for BT 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16 routes
+// and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 15 from 128
+// routes (against 13 / the earlier 11: M = 16 0.988, 32 0.961, 64 0.968). Smaller GEMM1 blocks
+// at the same warps per SM: the last wave of GEMM1 blocks is shorter. 16-row blocks (14) are
+// 7-12% slower from M = 3. The table's BT 8 row where H or I is not a multiple of 512, or
+// EXPERTD_KERNEL_DECODE_ALT=0. (Sessions 4-7 picked 6 / 7 / 11: 3-6% and 3-10% ahead of the
+// table, 11 2-3% ahead of 7 from 256 routes.)
 // Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
 // from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
 // Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
@@ -169,7 +179,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)  \
   X(7, 8, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)  \
-  X(12, 16, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)
+  X(12, 16, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3) \
+  X(13, 8, 1, 2, 4, 8, 3, 1, 2, 4, 8, 3)  \
+  X(14, 8, 1, 1, 4, 8, 3, 1, 2, 4, 8, 3)  \
+  X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -1435,7 +1448,7 @@ int g1_rows_for(int bt, int path) {
 // from BT = kV8MinBt where compiled, v6 below. EXPERTD_KERNEL_PATH=6 / 8 forces a path wherever
 // the tile size has it (benchmark A/B, tests of each); any other value forces nothing (so does 9,
 // the removed fused decode kernel's).
-constexpr int kV8MinBt = 32;
+constexpr int kV8MinBt = 16;
 int forced_path() {
   const char* v = getenv("EXPERTD_KERNEL_PATH");
   if (!(v && v[0])) return 0;
@@ -1539,12 +1552,11 @@ int decode_alt() {
 }
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
 // where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
-// calls 6 at <= 16 routes, 11 from 256 routes, 7 between, and 7 whenever a path is forced (the
-// table's sum order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12
-// for BT 16 (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for
-// the measurements.
-constexpr long long kSplitK8MaxRoutes = 16;
-constexpr long long kNk2MinRoutes = 256;
+// calls 13 below 128 routes and 15 from 128, and 7 whenever a path is forced (the table's sum
+// order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12 for BT 16
+// (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for the
+// measurements.
+constexpr long long kAlt15MinRoutes = 128;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
   const int forced = decode_alt();
   if (forced >= 0) return forced;
@@ -1552,7 +1564,7 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   if (bt == 16) return 12;
   if (bt != 8) return 0;
   if (forced_path() != 0) return 7;
-  return routes <= kSplitK8MaxRoutes ? 6 : routes >= kNk2MinRoutes ? 11 : 7;
+  return routes >= kAlt15MinRoutes ? 15 : 13;
 }
 
 // The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
@@ -1731,8 +1743,10 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
 // v6's BT = 8 wins to lambda = 2 (M = 64; v6 with its token copies hoisted); from lambda = 4 the
-// wgmma GEMM (v8) wins at every M: BT = 32 to lambda = 16 (M = 512), 48 at lambda = 32 (M =
-// 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
+// wgmma GEMM (v8) wins at every M: BT = 16 to lambda = 8 (M = 128-256: 0.87x of BT 32, session 8,
+// the wgmma half as wide where the tiles hold ~4-8 routes; at M = 512 1.23x: many experts need
+// two tiles, each dequantizing the weights again), BT = 32 to lambda = 16 (M = 512), 48 at lambda
+// = 32 (M = 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
 // one that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
 // on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
 // 160 at 128 (one tile where 128 needs two for half the experts: 0.84x), 144 at 256-512
@@ -1740,6 +1754,7 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 2) return 8;
+  if (lambda <= 8) return 16;
   if (lambda <= 20) return 32;
   if (lambda <= 45) return 48;
   const double busy = lambda + 2.0 * sqrt(lambda);
