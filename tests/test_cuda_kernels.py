@@ -229,6 +229,25 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring 3")
 
 
+@pytest.mark.parametrize("bt", [32, 96])
+def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt):
+    """v8 tiles run wgmma N = their routes rounded up to 16 (BT 32 and from 64); forcing N = BT
+    (EXPERTD_KERNEL_WG_FULLN=1) gives the same bits: the padding columns are separate sums."""
+    preset, layer, state = case
+    m = 90
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 3)
+    ids[: m // 3, 0] = int(layer.experts[2])  # one busy expert: full and partial tiles
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 4))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_FULLN", "1")
+    want = _run(backend, state, x, ids, w, bt=bt)
+    monkeypatch.setenv("EXPERTD_KERNEL_WG_FULLN", "0")
+    got = _run(backend, state, x, ids, w, bt=bt)
+    assert torch.equal(got, want), f"{preset.name} BT {bt}: trimmed width differs from N = BT"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 trimmed")
+
+
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the

@@ -107,7 +107,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // rounded up to 16 from BT = 64), read from shared memory through a descriptor; the dequantized
 // weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
-//   16 |        2  1  4  3  2  |        2  1  4  3  2  |  85 KB (M = 128-256, session 8)
+//   16 |        2  1  4  3  2  |        2  1  4  3  2  |  85 KB (M = 128-384, session 8)
 //   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
 //      |                       |                       |   of KG 2 / ST 4 / 3 blocks, alt 4)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
@@ -555,6 +555,7 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
+  int full_n;                  // v8: 1 = every tile runs wgmma N = BT (EXPERTD_KERNEL_WG_FULLN)
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -1225,10 +1226,12 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
                                            e, tile, xb, mt0, warp, true, red);
 }
 
-// The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, from
-// BT >= 64 (where MMAs on padding cost time: compute-bound calls); BT below that always runs N = BT.
+// The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, at BT
+// 32 and from BT 64 (MMAs on padding cost time: compute-bound calls, and at BT 32 an N = 16 tile
+// runs ~12% faster, as BT 16's tiles do, session 8); BT 16 and 48 always run N = BT (trimming BT
+// 48 measured 1.006 at M = 1024, session 5).
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING,
-          int N = (BT >= 64 ? 16 : BT)>
+          int N = (BT >= 64 || BT == 32 ? 16 : BT)>
 __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, const int xb,
                                             const int e, const int rows,
                                             const int (&row_off)[BT], float (&red)[NWG * 4][BT],
@@ -1269,8 +1272,8 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
       row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
   }
   const int rows = __syncthreads_count(valid);
-  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, rows, row_off, red,
-                                                    smem_raw);
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, a.full_n ? BT : rows,
+                                                    row_off, red, smem_raw);
   tl_done(GATED ? 1 : 2);
 }
 
@@ -1407,6 +1410,13 @@ long long route_multi_min() {
 // 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
 // 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
 // 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
+// EXPERTD_KERNEL_WG_FULLN=1: every v8 tile runs wgmma N = BT instead of its routes rounded up
+// to 16 (BT 32 and from 64; an A/B switch, same bits).
+int wg_full_n() {
+  const char* v = getenv("EXPERTD_KERNEL_WG_FULLN");
+  return v && v[0] == '1';
+}
+
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
@@ -1743,10 +1753,11 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
 // v6's BT = 8 wins to lambda = 2 (M = 64; v6 with its token copies hoisted); from lambda = 4 the
-// wgmma GEMM (v8) wins at every M: BT = 16 to lambda = 8 (M = 128-256: 0.87x of BT 32, session 8,
-// the wgmma half as wide where the tiles hold ~4-8 routes; at M = 512 1.23x: many experts need
-// two tiles, each dequantizing the weights again), BT = 32 to lambda = 16 (M = 512), 48 at lambda
-// = 32 (M = 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
+// wgmma GEMM (v8) wins at every M: BT = 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32
+// before BT 32 trimmed its tiles, M = 384 0.95x of the trimmed BT 32; the wgmma half as wide
+// where the tiles hold ~4-12 routes; at M = 512 1.19x: many experts need two tiles, each
+// dequantizing the weights again), BT = 32 to lambda = 20 (M = 512-640), 48 at lambda = 32 (M =
+// 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
 // one that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
 // on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
 // 160 at 128 (one tile where 128 needs two for half the experts: 0.84x), 144 at 256-512
@@ -1754,7 +1765,7 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 2) return 8;
-  if (lambda <= 8) return 16;
+  if (lambda <= 12) return 16;
   if (lambda <= 20) return 32;
   if (lambda <= 45) return 48;
   const double busy = lambda + 2.0 * sqrt(lambda);
@@ -1842,6 +1853,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g1.mt = 2 * a.inter / 16;
   g1.top_k = a.top_k;
   g1.pcap = p.pcap;
+  g1.full_n = wg_full_n();
 
   GemmArgs g2{};
   g2.codes = static_cast<const uint4*>(a.w2_codes);
@@ -1858,6 +1870,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
+  g2.full_n = g1.full_n;
 
   if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
