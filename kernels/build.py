@@ -20,8 +20,9 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 2 block barrier, copies after the stage's
                             wgmmas; 3 ring 2 with the next unit dequantized under the current
                             unit's wgmmas. Default: 3 from BT 96, 2 below
-    EXPERTD_KERNEL_WG_FULLN 1: every v8 tile runs wgmma N = BT, not its routes rounded up to 16
-                            (same bits; an A/B switch)
+    EXPERTD_KERNEL_WG_FULLN 1: every v8 tile runs wgmma N = BT, not its routes rounded up to 8
+                            (BT 16) or 16 (same bits; an A/B switch)
+    EXPERTD_KERNEL_WG_MIN_N 16: no v8 tile runs an MMA narrower than 16 (same bits; A/B)
     EXPERTD_KERNEL_ROUTE_MULTI         calls of at least N routes are routed by blocks over
                                        chunks (default 16384; 0: never, one routing block)
     EXPERTD_KERNEL_ROUTE_BALANCE       1: fill an expert's tiles round-robin (same bits; an

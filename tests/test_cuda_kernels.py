@@ -229,10 +229,15 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring 3")
 
 
-@pytest.mark.parametrize("bt", [32, 96])
-def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt):
-    """v8 tiles run wgmma N = their routes rounded up to 16 (BT 32 and from 64); forcing N = BT
-    (EXPERTD_KERNEL_WG_FULLN=1) gives the same bits: the padding columns are separate sums."""
+@pytest.mark.parametrize(
+    "bt,switch",
+    [(16, "EXPERTD_KERNEL_WG_MIN_N=16"), (16, "EXPERTD_KERNEL_WG_FULLN=1")]
+    + [(bt, "EXPERTD_KERNEL_WG_FULLN=1") for bt in (32, 96)],
+)
+def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt, switch):
+    """v8 tiles run wgmma N = their routes rounded up to 8 (BT 16) or 16 (BT 32 and from 64);
+    N = 16 at least (EXPERTD_KERNEL_WG_MIN_N=16) or N = BT (EXPERTD_KERNEL_WG_FULLN=1) gives
+    the same bits: the padding columns are separate sums."""
     preset, layer, state = case
     m = 90
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 3)
@@ -240,11 +245,11 @@ def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt):
     x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 4))
     x = x.to(torch.bfloat16).cuda()
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_FULLN", "1")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_FULLN", "0")
     got = _run(backend, state, x, ids, w, bt=bt)
-    assert torch.equal(got, want), f"{preset.name} BT {bt}: trimmed width differs from N = BT"
+    name, _, value = switch.partition("=")
+    monkeypatch.setenv(name, value)
+    want = _run(backend, state, x, ids, w, bt=bt)
+    assert torch.equal(got, want), f"{preset.name} BT {bt}: trimmed width differs ({switch})"
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 trimmed")
 
 

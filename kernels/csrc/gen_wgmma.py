@@ -11,7 +11,7 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = tuple(range(16, 161, 16))  # the N of v8_tile: BT, or trimmed in steps of 16
+WIDTHS = (8, *range(16, 161, 16))  # the N of v8_tile: BT, or trimmed to 8 or in steps of 16
 
 
 # Fences, commit / wait and the B descriptor every wgmma user needs (moe_nvfp4.cu's v8 and

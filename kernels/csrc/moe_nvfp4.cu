@@ -555,7 +555,7 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
-  int full_n;                  // v8: 1 = every tile runs wgmma N = BT (EXPERTD_KERNEL_WG_FULLN)
+  int min_rows;                // v8: tiles run the wgmma width of max(routes, min_rows) (A/B)
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -1226,12 +1226,16 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
                                            e, tile, xb, mt0, warp, true, red);
 }
 
-// The wgmma width for a tile with `rows` valid routes: the smallest multiple of 16 >= rows, at BT
-// 32 and from BT 64 (MMAs on padding cost time: compute-bound calls, and at BT 32 an N = 16 tile
-// runs ~12% faster, as BT 16's tiles do, session 8); BT 16 and 48 always run N = BT (trimming BT
-// 48 measured 1.006 at M = 1024, session 5).
+// The wgmma width for a tile with `rows` valid routes: the smallest of 8 (BT 16 only: at BT 32 the
+// extra mainloop made ptxas spill), then multiples of 16, that is >= rows, at BT 16, 32 and
+// from BT 64 (MMAs on padding cost time:
+// compute-bound calls, and where a tile holds few routes the dequantization's ALU work and the
+// MMAs add up, so an MMA half as wide is ~12% cheaper per weight, session 8); BT 48 always runs
+// N = 48 (trimming it measured 0.999-1.006 at M = 1024, sessions 5 and 8).
+constexpr int v8_first_n(int bt) { return bt == 16 ? 8 : bt == 32 || bt >= 64 ? 16 : bt; }
+constexpr int v8_next_n(int n) { return n < 16 ? 16 : n + 16; }
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING,
-          int N = (BT >= 64 || BT == 32 ? 16 : BT)>
+          int N = v8_first_n(BT)>
 __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, const int xb,
                                             const int e, const int rows,
                                             const int (&row_off)[BT], float (&red)[NWG * 4][BT],
@@ -1242,8 +1246,8 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
     if (rows <= N)
       v8_tile<BT, NWG, WM, KG, ST, MB, GATED, N, RING>(a, tile, xb, e, row_off, red, smem_raw);
     else
-      v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING, N + 16>(a, tile, xb, e, rows, row_off,
-                                                                 red, smem_raw);
+      v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING, v8_next_n(N)>(a, tile, xb, e, rows,
+                                                                       row_off, red, smem_raw);
   }
 }
 
@@ -1272,7 +1276,7 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
       row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
   }
   const int rows = __syncthreads_count(valid);
-  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, a.full_n ? BT : rows,
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, max(rows, a.min_rows),
                                                     row_off, red, smem_raw);
   tl_done(GATED ? 1 : 2);
 }
@@ -1410,11 +1414,13 @@ long long route_multi_min() {
 // 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
 // 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
 // 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
-// EXPERTD_KERNEL_WG_FULLN=1: every v8 tile runs wgmma N = BT instead of its routes rounded up
-// to 16 (BT 32 and from 64; an A/B switch, same bits).
-int wg_full_n() {
+// A/B switches of the v8 MMA width (same bits): EXPERTD_KERNEL_WG_FULLN=1 runs every tile at
+// N = BT; EXPERTD_KERNEL_WG_MIN_N=16 trims no tile below 16 (no 8-wide mainloop).
+int wg_min_rows() {
   const char* v = getenv("EXPERTD_KERNEL_WG_FULLN");
-  return v && v[0] == '1';
+  if (v && v[0] == '1') return 1 << 20;
+  v = getenv("EXPERTD_KERNEL_WG_MIN_N");
+  return (v && v[0]) ? atoi(v) - 7 : 0;  // 16: tiles of <= 8 routes take the 16-wide mainloop
 }
 
 int wg_ring(int bt) {
@@ -1853,7 +1859,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g1.mt = 2 * a.inter / 16;
   g1.top_k = a.top_k;
   g1.pcap = p.pcap;
-  g1.full_n = wg_full_n();
+  g1.min_rows = wg_min_rows();
 
   GemmArgs g2{};
   g2.codes = static_cast<const uint4*>(a.w2_codes);
@@ -1870,7 +1876,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
-  g2.full_n = g1.full_n;
+  g2.min_rows = g1.min_rows;
 
   if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
