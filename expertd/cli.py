@@ -43,6 +43,12 @@ def _serve_parser(sub) -> None:
     run.add_argument("--device", default=_env("DEVICE", "auto"), help="cpu | cuda | cuda:N | auto")
     run.add_argument("--backend", default=_env("BACKEND"), help="reference | cuda (default: best)")
     run.add_argument("--grace", type=float, default=_env("GRACE_S", 30.0, float))
+    run.add_argument(
+        "--drain-delay",
+        type=float,
+        default=_env("DRAIN_DELAY_S", 1.0, float),
+        help="after SIGTERM, seconds of NOT_SERVING health during which calls are still admitted",
+    )
     run.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", None, int))
     run.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     run.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
@@ -149,6 +155,7 @@ def cmd_serve(args) -> int:
         max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens,
         grace_s=args.grace,
+        drain_delay_s=args.drain_delay,
         torch_threads=args.torch_threads,
         batch_window_us=args.batch_window_us,
         max_batch_tokens=args.max_batch_tokens,

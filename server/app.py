@@ -61,10 +61,14 @@ class RunningServer:
         self.servicer.attach(bank, runner)
         await self.set_serving(True)
 
-    async def drain_and_stop(self, grace_s: float) -> None:
-        """Stop taking calls, let in-flight ones finish (up to grace_s), stop."""
-        self.servicer.draining = True
+    async def drain_and_stop(self, grace_s: float, delay_s: float = 0.0) -> None:
+        """Health NOT_SERVING; for delay_s keep admitting calls (those already on the wire,
+        and whatever arrives before clients and load balancers see the health change); then
+        refuse new calls, let in-flight ones finish (up to grace_s), stop."""
         await self.set_serving(False)
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        self.servicer.draining = True
         await self.server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(0)
@@ -248,8 +252,10 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
             bank.resident_bytes / 2**20,
         )
         await stopper
-    log.info("draining (grace %.0f s)", config.grace_s)
-    await running.drain_and_stop(config.grace_s)
+    log.info(
+        "draining (admitting for %.1f s more, grace %.0f s)", config.drain_delay_s, config.grace_s
+    )
+    await running.drain_and_stop(config.grace_s, config.drain_delay_s)
     log.info("stopped")
     return 0
 

@@ -30,6 +30,7 @@ class ServerConfig:
     max_queue_requests: int = 1024  # requests waiting for compute
     max_queue_tokens: int = 65536  # tokens waiting for compute
     grace_s: float = 30.0  # drain time on SIGTERM
+    drain_delay_s: float = 1.0  # SIGTERM: health NOT_SERVING, calls still admitted this long
     torch_threads: int | None = None  # intra-op threads (None = torch's default)
     # Batching: merge concurrent requests of one layer into one forward.
     batch_window_us: int = 0  # extra wait for company (0: merge only what is already queued)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 from conftest import hidden, routing
+from grpc_health.v1 import health_pb2
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
@@ -116,6 +118,36 @@ def test_sigterm_finishes_calls_in_flight(checkpoint):
     first = wire.decode(results[0].output, "output")
     assert all(torch.equal(wire.decode(r.output, "output"), first) for r in results)
     assert health_status(shard.address, timeout=0.5) is None  # gone
+
+
+def test_sigterm_admits_calls_during_the_drain_delay(checkpoint):
+    """SIGTERM: health goes NOT_SERVING at once, but for --drain-delay seconds new calls are
+    still answered (clients and load balancers need that long to see the change); then the
+    process exits 0."""
+    shard = start_shard(["--checkpoint", str(checkpoint), "--drain-delay", "3", "--grace", "30"])
+    wait_serving([shard], timeout=120)
+    gen = torch.Generator().manual_seed(2)
+    x = hidden(5, gen)
+    ids, w = routing(5, gen)
+    req = pb.ForwardRequest(
+        layer=0,
+        hidden_states=wire.encode(x),
+        topk_ids=wire.encode(ids),
+        topk_weights=wire.encode(w),
+    )
+    with grpc.insecure_channel(shard.address) as ch:
+        stub = pb_grpc.ExpertServiceStub(ch)
+        before = stub.Forward(req, timeout=60)
+        shard.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        while (
+            health_status(shard.address, timeout=0.5) != health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
+            assert time.monotonic() < deadline, "health still SERVING after SIGTERM"
+            time.sleep(0.05)
+        after = stub.Forward(req, timeout=60)  # inside the delay: admitted
+    assert after.output == before.output
+    assert shard.process.wait(timeout=60) == 0
 
 
 def test_bad_checkpoint_exits_nonzero(tmp_path):
