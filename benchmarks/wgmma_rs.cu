@@ -474,9 +474,11 @@ double unit_flops_per_warp(const Inst& in) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | pingpong | all
-  if (which != "all" && which != "wgmma" && which != "hmma" && which != "pingpong") {
-    std::fprintf(stderr, "usage: %s [wgmma|hmma|pingpong|all]\n", argv[0]);
+  // widths: N = 8-48 in steps of 8 (where the MMA width stops mattering at v8's ALU load)
+  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | pingpong | widths | all
+  if (which != "all" && which != "wgmma" && which != "hmma" && which != "pingpong" &&
+      which != "widths") {
+    std::fprintf(stderr, "usage: %s [wgmma|hmma|pingpong|widths|all]\n", argv[0]);
     return 2;
   }
   int dev = 0;
@@ -529,6 +531,14 @@ int main(int argc, char** argv) {
     add_n<96>(insts);
     add_n<128>(insts);
     add_n<160>(insts);
+  }
+  if (which == "widths") {
+    add_n<8>(insts);
+    add_n<16>(insts);
+    add_n<24>(insts);
+    add_n<32>(insts);
+    add_n<40>(insts);
+    add_n<48>(insts);
   }
   if (which == "all" || which == "hmma") {
     add_hmma<16, 1>(insts);

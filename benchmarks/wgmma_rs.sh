@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Register-A wgmma (RS) throughput at small N, alone and with ALU work (benchmarks/wgmma_rs.cu).
-# Run from the repository root on the H200: bash benchmarks/wgmma_rs.sh [wgmma|hmma|all]
+# Run from the repository root on the H200:
+#   bash benchmarks/wgmma_rs.sh [wgmma|hmma|pingpong|widths|all]
 # Writes $OUT/wgmma_rs (binary), $OUT/wgmma_rs.log (stdout) and $OUT/wgmma_rs.json (JSON lines).
 set -eu -o pipefail
 OUT=${OUT:-/tmp/wgmma-out}

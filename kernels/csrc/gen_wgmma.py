@@ -11,7 +11,8 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = (8, *range(16, 161, 16))  # the N of v8_tile: BT, or trimmed to 8 or in steps of 16
+WIDTHS = tuple(sorted((8, 24, 40, *range(16, 161, 16))))  # v8_tile: BT, or trimmed;
+# 24 and 40: benchmarks/wgmma_rs.cu only (the widths mode)
 
 
 # Fences, commit / wait and the B descriptor every wgmma user needs (moe_nvfp4.cu's v8 and
