@@ -104,8 +104,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // tile in shared memory for 64 NWG WM weight rows), KG = 64-k groups per stage, ST = stages, MB =
 // blocks per SM asked of ptxas (__launch_bounds__; registers <= 64K / (MB x threads)). Whole K
 // per warp (no split-K). The tokens of a tile are wgmma's N (= BT, trimmed to the tile's routes
-// rounded up to 16 from BT = 64), read from shared memory through a descriptor; the dequantized
-// weights are its A operand, straight from registers.
+// rounded up to 8 at BT 16, to 16 at BT 32 and from 64: v8_dispatch), read from shared memory
+// through a descriptor; the dequantized weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
 //   16 |        2  1  4  3  2  |        2  1  4  3  2  |  85 KB (M = 128-384, session 8)
 //   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
