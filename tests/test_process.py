@@ -94,18 +94,22 @@ def test_serve_from_checkpoint(served, checkpoint):
     )
 
 
-def test_sigterm_finishes_calls_in_flight(checkpoint):
-    shard = start_shard(["--checkpoint", str(checkpoint), "--torch-threads", "1", "--grace", "60"])
-    wait_serving([shard], timeout=120)
-    gen = torch.Generator().manual_seed(1)
-    x = hidden(2048, gen)
-    ids, w = routing(2048, gen)
-    req = pb.ForwardRequest(
+def _forward_request(m: int, seed: int) -> pb.ForwardRequest:
+    gen = torch.Generator().manual_seed(seed)
+    x = hidden(m, gen)
+    ids, w = routing(m, gen)
+    return pb.ForwardRequest(
         layer=0,
         hidden_states=wire.encode(x),
         topk_ids=wire.encode(ids),
         topk_weights=wire.encode(w),
     )
+
+
+def test_sigterm_finishes_calls_in_flight(checkpoint):
+    shard = start_shard(["--checkpoint", str(checkpoint), "--torch-threads", "1", "--grace", "60"])
+    wait_serving([shard], timeout=120)
+    req = _forward_request(2048, seed=1)
     with grpc.insecure_channel(
         shard.address, options=[("grpc.max_receive_message_length", -1)]
     ) as ch:
@@ -126,15 +130,7 @@ def test_sigterm_admits_calls_during_the_drain_delay(checkpoint):
     process exits 0."""
     shard = start_shard(["--checkpoint", str(checkpoint), "--drain-delay", "3", "--grace", "30"])
     wait_serving([shard], timeout=120)
-    gen = torch.Generator().manual_seed(2)
-    x = hidden(5, gen)
-    ids, w = routing(5, gen)
-    req = pb.ForwardRequest(
-        layer=0,
-        hidden_states=wire.encode(x),
-        topk_ids=wire.encode(ids),
-        topk_weights=wire.encode(w),
-    )
+    req = _forward_request(5, seed=2)
     with grpc.insecure_channel(shard.address) as ch:
         stub = pb_grpc.ExpertServiceStub(ch)
         before = stub.Forward(req, timeout=60)
