@@ -1227,11 +1227,11 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 }
 
 // The wgmma width for a tile with `rows` valid routes: the smallest of 8 (BT 16 only: at BT 32 the
-// extra mainloop made ptxas spill), then multiples of 16, that is >= rows, at BT 16, 32 and
-// from BT 64 (MMAs on padding cost time:
-// compute-bound calls, and where a tile holds few routes the dequantization's ALU work and the
-// MMAs add up, so an MMA half as wide is ~12% cheaper per weight, session 8); BT 48 always runs
-// N = 48 (trimming it measured 0.999-1.006 at M = 1024, sessions 5 and 8).
+// extra mainloop made ptxas spill), 16, 32, ... that is >= rows, at BT 16, 32 and from BT 64.
+// MMAs on padding cost time: in compute-bound calls, and where a tile holds few routes the
+// dequantization's ALU work and the MMAs add up, so an MMA half as wide is ~5-12% cheaper per
+// weight (session 8). BT 48 always runs N = 48 (trimming it measured 0.999-1.006 at M = 1024,
+// sessions 5 and 8).
 constexpr int v8_first_n(int bt) { return bt == 16 ? 8 : bt == 32 || bt >= 64 ? 16 : bt; }
 constexpr int v8_next_n(int n) { return n < 16 ? 16 : n + 16; }
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING,
@@ -1406,14 +1406,6 @@ long long route_multi_min() {
   return 16384;
 }
 
-// The v8 ring of every call (v8_tile's RING; both compute the same bits), from
-// EXPERTD_KERNEL_WG_RING (2 or 3): 2 the block barrier with the copies issued after the stage's
-// wgmmas, 3 ring 2 with the next unit dequantized under the current unit's wgmmas (copies ST - 2
-// stages ahead). Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2
-// against the removed ring 0 (copies before the math): M = 256 0.99, 1024 1.00, 2048 0.96,
-// 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
-// 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
-// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
 // A/B switches of the v8 MMA width (same bits): EXPERTD_KERNEL_WG_FULLN=1 runs every tile at
 // N = BT; EXPERTD_KERNEL_WG_MIN_N=16 trims no tile below 16 (no 8-wide mainloop).
 int wg_min_rows() {
@@ -1423,6 +1415,14 @@ int wg_min_rows() {
   return (v && v[0]) ? atoi(v) - 7 : 0;  // 16: tiles of <= 8 routes take the 16-wide mainloop
 }
 
+// The v8 ring of every call (v8_tile's RING; both compute the same bits), from
+// EXPERTD_KERNEL_WG_RING (2 or 3): 2 the block barrier with the copies issued after the stage's
+// wgmmas, 3 ring 2 with the next unit dequantized under the current unit's wgmmas (copies ST - 2
+// stages ahead). Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2
+// against the removed ring 0 (copies before the math): M = 256 0.99, 1024 1.00, 2048 0.96,
+// 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
+// 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
+// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
