@@ -252,10 +252,9 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
             bank.resident_bytes / 2**20,
         )
         await stopper
-    log.info(
-        "draining (admitting for %.1f s more, grace %.0f s)", config.drain_delay_s, config.grace_s
-    )
-    await running.drain_and_stop(config.grace_s, config.drain_delay_s)
+    delay_s = config.drain_delay_s if loader.done() else 0.0  # nothing to admit while loading
+    log.info("draining (admitting for %.1f s more, grace %.0f s)", delay_s, config.grace_s)
+    await running.drain_and_stop(config.grace_s, delay_s)
     log.info("stopped")
     return 0
 
