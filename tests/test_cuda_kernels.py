@@ -48,6 +48,15 @@ def case(request, backend):
     return preset, layer, backend.prepare(layer)
 
 
+def _busy_inputs(preset, layer, m: int, busy: int, expert: int, seed: int, x_seed: int):
+    """m tokens of random routes whose first `busy` tokens send their first route to local
+    expert `expert` (full and partial tiles of one busy expert), and their hidden states."""
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=seed)
+    ids[:busy, 0] = int(layer.experts[expert])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(x_seed))
+    return x.to(torch.bfloat16).cuda(), ids, w
+
+
 def _routes(m: int, e: int, top_k: int, seed: int, drop: float = 0.1):
     gen = torch.Generator().manual_seed(seed)
     ids = (
@@ -214,11 +223,7 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     """v8 with the dequantization under the wgmmas (ring 3) computes the block-barrier ring's
     (2) sums: the same bits, at every tile size, tiles of several widths, repeated calls."""
     preset, layer, state = case
-    m = 150
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt)
-    ids[: m // 2, 0] = int(layer.experts[0])  # one busy expert: full and partial tiles
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 1))
-    x = x.to(torch.bfloat16).cuda()
+    x, ids, w = _busy_inputs(preset, layer, 150, 75, 0, seed=bt, x_seed=bt + 1)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
     monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "2")
     want = _run(backend, state, x, ids, w, bt=bt)
@@ -239,11 +244,7 @@ def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt, switch):
     N = 16 at least (EXPERTD_KERNEL_WG_MIN_N=16) or N = BT (EXPERTD_KERNEL_WG_FULLN=1) gives
     the same bits: the padding columns are separate sums."""
     preset, layer, state = case
-    m = 90
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 3)
-    ids[: m // 3, 0] = int(layer.experts[2])  # one busy expert: full and partial tiles
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt + 4))
-    x = x.to(torch.bfloat16).cuda()
+    x, ids, w = _busy_inputs(preset, layer, 90, 30, 2, seed=bt + 3, x_seed=bt + 4)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
     got = _run(backend, state, x, ids, w, bt=bt)
     name, _, value = switch.partition("=")
@@ -258,11 +259,8 @@ def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the
     same bits, with a busy expert spread over several tiles of several widths."""
     preset, layer, state = case
-    m = 400
-    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=bt + 7)
-    ids[: m - 50, 0] = int(layer.experts[1])  # 350 routes: 3 tiles at BT 160, 44 at BT 8
-    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(bt))
-    x = x.to(torch.bfloat16).cuda()
+    # 350 routes on one expert: 3 tiles at BT 160, 44 at BT 8
+    x, ids, w = _busy_inputs(preset, layer, 400, 350, 1, seed=bt + 7, x_seed=bt)
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_BALANCE", "0")
     want = _run(backend, state, x, ids, w, bt=bt)
     monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_BALANCE", "1")
