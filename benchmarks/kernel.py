@@ -293,12 +293,14 @@ def main() -> int:
         # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH and the alternatives),
         # graphs captured under each setting; graph_us above is the default path.
         variants = {}
+        named = set()  # --variant switches: same bits as the default expected, recorded
         if m <= args.path_ab_max:
             for path in filter(None, args.paths.split(",")):
                 variants[f"v{path}"] = {"EXPERTD_KERNEL_PATH": path}
             for spec in args.variant if m >= args.variant_min else ():
                 name, _, env = spec.partition(":")  # --variant NAME:K=V,K=V (kernel switches)
                 variants[name] = parse_env(env)
+                named.add(name)
             if pick_bt(m, TOP_K, E) >= 16:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
                 for ring in args.rings.split(","):
                     if ring:
@@ -327,15 +329,15 @@ def main() -> int:
             out0 = vg[0].replay().clone()
             if vname == "v6":
                 v6_out = out0
-                # v8 sums in another order, and so do decode alternatives 6, 11 and 15 (15: the
-                # default from 128 routes; a forced path runs 7: moe_nvfp4.cu)
+                # v8 sums in another order, and so do decode alternatives 6, 11, 15 and 18 (18:
+                # the default from 128 routes; a forced path runs 7: moe_nvfp4.cu)
                 if kernel_path(pick_bt(m, TOP_K, E)) != 8 and m * TOP_K < 128:
                     path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
-            elif vname.startswith("rows"):  # the default's arithmetic on a capped grid
+            elif vname.startswith("rows") or vname in named:  # the default's arithmetic, elsewhere
                 path_us[vname + "_equal_default"] = bool(torch.equal(out0, graphs[0].replay()))
             elif v6_out is None:  # no v6 run at this M to compare with
                 pass
-            elif vname in ("v6_alt6", "v6_alt11", "v6_alt15") or vname.startswith("v8"):
+            elif vname in ("v6_alt6", "v6_alt11", "v6_alt15", "v6_alt18") or vname.startswith("v8"):
                 # another fp32 sum order (split-K over other warps, or none)
                 path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
             else:  # same arithmetic: v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit
@@ -487,7 +489,7 @@ def main() -> int:
     eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
     print(
         "bit for bit at every M: v6_alt0 / 7 (and the default where it runs alt 7) == v6, capped"
-        " grid rows == the default"
+        " grid rows and --variant switches == the default"
         if not eq
         else f"MISMATCH: {eq}"
     )

@@ -30,8 +30,11 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
                                        none; unset: 2 for calls of <= 8 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
-                                       13 / 15 for BT 8 calls of < 128 routes / more where H
+                                       13 / 18 for BT 8 calls of < 128 routes / more where H
                                        and I are multiples of 512; 0: the table's configuration
+    EXPERTD_KERNEL_FIN_SERIAL          1: finalize loads a token's routes one after another at
+                                       every M (same bits; A/B); default: together below 512
+                                       tokens
 
 Run `python -m expertd.kernels.build` to build and print the library path.
 """

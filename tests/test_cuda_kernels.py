@@ -176,18 +176,19 @@ def test_default_path_by_tile_size(backend, monkeypatch):
         assert [kernel_path(bt) for bt in bts] == [6, 8, 6, 8, 8, 8, 8, 8, 8, 8]
 
 
-# Decode alternatives (moe_nvfp4.cu): id -> (tile size, k per stage, the alternative whose bits
-# it must reproduce: 7, 12, 13 and 14 sum the k-groups of each warp in the table's order, 15 in
-# 11's). The defaults where H and I are multiples of 512: 13 / 11 for BT 8 calls (< 256 routes /
-# more), 12 for BT 16.
+# Decode alternatives (moe_nvfp4.cu): id -> (tile size, GEMM1's and GEMM2's k per stage, the
+# alternative whose bits it must reproduce: 7, 12, 13 and 14 sum the k-groups of each warp in the
+# table's order, 15 in 11's). The defaults where H and I are multiples of 512: 13 / 18 for BT 8
+# calls (< 128 routes / more), 12 for BT 16.
 DECODE_ALTS = {
-    6: (8, 512, None),
-    7: (8, 512, 0),
-    11: (8, 512, None),
-    12: (16, 512, 0),
-    13: (8, 512, 0),
-    14: (8, 512, 0),
-    15: (8, 512, 11),
+    6: (8, 512, 512, None),
+    7: (8, 512, 512, 0),
+    11: (8, 512, 512, None),
+    12: (16, 512, 512, 0),
+    13: (8, 512, 512, 0),
+    14: (8, 512, 512, 0),
+    15: (8, 512, 512, 11),
+    18: (8, 256, 512, None),
 }
 
 
@@ -197,7 +198,7 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
     the configuration they share their sum order with; presets whose H or I is not a multiple
     of the alternative's k-stage get a clear error."""
     preset, layer, state = case
-    bt, bk, same_as = DECODE_ALTS[alt]
+    bt, bk1, bk2, same_as = DECODE_ALTS[alt]
     m = 5
     ids, w = _routes(m, preset.num_experts, preset.top_k, seed=91)
     ids[:, 0] = int(layer.experts[0])  # local routes: muse-spark's shard owns 4 of 256 experts
@@ -206,7 +207,7 @@ def test_decode_alternative(case, backend, monkeypatch, alt):
     x = x.to(torch.bfloat16).cuda()
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "6")
     monkeypatch.setenv("EXPERTD_KERNEL_DECODE_ALT", str(alt))
-    if preset.hidden_size % bk or preset.intermediate_size % bk:
+    if preset.hidden_size % bk1 or preset.intermediate_size % bk2:
         with pytest.raises(RuntimeError, match="multiples of the GEMMs' k-stage"):
             _run(backend, state, x, ids, w, bt=bt)
         return
@@ -252,6 +253,24 @@ def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt, switch):
     want = _run(backend, state, x, ids, w, bt=bt)
     assert torch.equal(got, want), f"{preset.name} BT {bt}: trimmed width differs ({switch})"
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 trimmed")
+
+
+@pytest.mark.parametrize("m,top_k", [(1, 8), (5, 8), (97, 8), (300, 12), (600, 8)])
+def test_finalize_batched_bit_identical(case, backend, monkeypatch, m, top_k):
+    """finalize loads a token's routes together (batches of 8) below 512 tokens; one after
+    another (EXPERTD_KERNEL_FIN_SERIAL=1, and the default from 512) gives the same bits, with
+    local routes in the second batch too."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, top_k, seed=m + top_k)
+    ids[:, 0] = int(layer.experts[0])
+    ids[::2, top_k - 1] = int(layer.experts[-1])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 5))
+    x = x.to(torch.bfloat16).cuda()
+    got = _run(backend, state, x, ids, w)
+    monkeypatch.setenv("EXPERTD_KERNEL_FIN_SERIAL", "1")
+    want = _run(backend, state, x, ids, w)
+    assert torch.equal(got, want), f"{preset.name} M {m} top-{top_k}: batched finalize differs"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} top-{top_k} finalize")
 
 
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])

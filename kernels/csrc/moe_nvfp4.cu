@@ -161,12 +161,17 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |    |                      |                      |   for the last wave at M = 2-16
 //   14 |  8 |        1  1  4  8  3 |        1  2  4  8  3 | the same with 16-row GEMM1 blocks
 //   15 |  8 |        1  2  2  8  3 |        1  2  2  8  3 | alt 11 with 32-row GEMM1 blocks
-// Picked by default (decode_alt_for; H200, NOTES.md, session 8, timed in alternating runs): 13
-// for BT 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16 routes
-// and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 15 from 128
-// routes (against 13 / the earlier 11: M = 16 0.988, 32 0.961, 64 0.968). Smaller GEMM1 blocks
-// at the same warps per SM: the last wave of GEMM1 blocks is shorter. 16-row blocks (14) are
-// 7-12% slower from M = 3. The table's BT 8 row where H or I is not a multiple of 512, or
+//   18 |  8 |        1  2  2  4  3 |        1  2  2  8  3 | 15 with GEMM1 stages half as deep in k
+//      |    |                      |                      |   (27 KB, 55 registers: 8 blocks of 4
+//      |    |                      |                      |   warps per SM where 15 has 4)
+// Picked by default (decode_alt_for; H200, NOTES.md, sessions 8-9, timed in alternating runs):
+// 13 for BT 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16
+// routes and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 18
+// from 128 routes (session 9 against 15: M = 16 0.984, 32 0.967, 64 0.958; 1.01-1.11 below 128
+// routes). Smaller GEMM1 blocks at the same warps per SM: the last wave of GEMM1 blocks is
+// shorter. 16-row blocks (14) are 7-12% slower from M = 3. Measured and dropped in session 9
+// (`-s9-alts1617.json`, `-s9-fin-lut-alts.json`): 16 (18 with GEMM2 1 2 2 4 3: 0.985 / 0.969 /
+// 0.966), 17 and 19 (13 / 15 with that GEMM2: 0.996-1.03). The table's BT 8 row where H or I is not a multiple of 512, or
 // EXPERTD_KERNEL_DECODE_ALT=0. (Sessions 4-7 picked 6 / 7 / 11: 3-6% and 3-10% ahead of the
 // table, 11 2-3% ahead of 7 from 256 routes.)
 // Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
@@ -182,7 +187,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(12, 16, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3) \
   X(13, 8, 1, 2, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(14, 8, 1, 1, 4, 8, 3, 1, 2, 4, 8, 3)  \
-  X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)
+  X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)  \
+  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -1311,6 +1317,47 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
 }
 
 // out[t, 8 c .. 8 c + 7] = sum_j coef_j z[pos_j, ...] in route order (zeros without a route).
+// The z chunks of up to kFinBatch routes are loaded before any is summed: one L2 round trip per
+// batch instead of one per local route (finalize_chunk's loop has each load behind the previous
+// route's branch, SASS); the same sums in the same order.
+constexpr int kFinBatch = 8;
+__device__ __forceinline__ void finalize_chunk_batched(const int t, const int c, const int top_k,
+                                               const float* coef, const int* pos,
+                                               const uint16_t* __restrict__ z, const int h,
+                                               uint16_t* __restrict__ out) {
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int j0 = 0; j0 < top_k; j0 += kFinBatch) {
+    uint4 v[kFinBatch];
+#pragma unroll
+    for (int u = 0; u < kFinBatch; ++u) {
+      const int p = j0 + u < top_k ? pos[j0 + u] : -1;
+      v[u] = p >= 0 ? __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h +
+                                                            c * 8))
+                    : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kFinBatch; ++u) {
+      if (j0 + u >= top_k || pos[j0 + u] < 0) continue;
+      const float cj = coef[j0 + u];
+      const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
+        acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
+      }
+    }
+  }
+  uint4 o;
+  o.x = pack_bf16x2(acc[0], acc[1]);
+  o.y = pack_bf16x2(acc[2], acc[3]);
+  o.z = pack_bf16x2(acc[4], acc[5]);
+  o.w = pack_bf16x2(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+}
+
+// The same, one route after another (fewer registers: 32 against 59 for the kernel).
 __device__ __forceinline__ void finalize_chunk(const int t, const int c, const int top_k,
                                                const float* coef, const int* pos,
                                                const uint16_t* __restrict__ z, const int h,
@@ -1339,7 +1386,9 @@ __device__ __forceinline__ void finalize_chunk(const int t, const int c, const i
   *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
 }
 
-// One block per token; H / 8 16-byte chunks spread over the threads.
+// One block per token; H / 8 16-byte chunks spread over the threads (BATCHED: the routes' loads
+// issued together).
+template <bool BATCHED>
 __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
                                 const float* __restrict__ topk_weights, int top_k,
                                 const uint16_t* __restrict__ z, const float* __restrict__ partial,
@@ -1352,8 +1401,12 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   pdl_wait();
   tl_mark(3, 1);
   finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
-  for (int c = threadIdx.x; c < h / 8; c += blockDim.x)
-    finalize_chunk(t, c, top_k, coef, pos, z, h, out);
+  for (int c = threadIdx.x; c < h / 8; c += blockDim.x) {
+    if constexpr (BATCHED)
+      finalize_chunk_batched(t, c, top_k, coef, pos, z, h, out);
+    else
+      finalize_chunk(t, c, top_k, coef, pos, z, h, out);
+  }
   tl_done(3);
 }
 
@@ -1566,13 +1619,30 @@ int decode_alt() {
   const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
   return (v && v[0]) ? atoi(v) : -1;
 }
+// finalize per call (H200, session 9, timed in alternating runs, `-s9-fin-lut-alts.json`): calls
+// of fewer than kFinBatchedMaxTokens tokens load their routes' chunks together, one thread per
+// chunk (H / 8 threads, at most 512; serial / batched: M = 1-256 1.007-1.012); larger calls keep
+// the route loop on 256 threads: a latency-bound grid of thousands of blocks wants 8 resident
+// blocks per SM, and the batched kernel (59 registers x 512 threads) gets 2 (batched / serial:
+// M = 1024 1.015, 2048 1.022, 4096-16384 1.03-1.035). EXPERTD_KERNEL_FIN_SERIAL=1: the route
+// loop at every M (A/B).
+constexpr long long kFinBatchedMaxTokens = 512;
+bool fin_batched(long long m) {
+  const char* v = getenv("EXPERTD_KERNEL_FIN_SERIAL");
+  return !(v && v[0] == '1') && m < kFinBatchedMaxTokens;
+}
+int fin_threads_for(int h) {
+  const int t = (h / 8 + 31) / 32 * 32;
+  return t < 32 ? 32 : (t > 512 ? 512 : t);
+}
+
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
 // where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
-// calls 13 below 128 routes and 15 from 128, and 7 whenever a path is forced (the table's sum
+// calls 13 below 128 routes and 18 from 128, and 7 whenever a path is forced (the table's sum
 // order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12 for BT 16
 // (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for the
 // measurements.
-constexpr long long kAlt15MinRoutes = 128;
+constexpr long long kAlt18MinRoutes = 128;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
   const int forced = decode_alt();
   if (forced >= 0) return forced;
@@ -1580,7 +1650,7 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   if (bt == 16) return 12;
   if (bt != 8) return 0;
   if (forced_path() != 0) return 7;
-  return routes >= kAlt15MinRoutes ? 15 : 13;
+  return routes >= kAlt18MinRoutes ? 18 : 13;
 }
 
 // The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
@@ -1758,8 +1828,9 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
 // Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
 // on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
-// v6's BT = 8 wins to lambda = 2 (M = 64; v6 with its token copies hoisted); from lambda = 4 the
-// wgmma GEMM (v8) wins at every M: BT = 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32
+// v6's BT = 8 wins to lambda = 4 (M = 128; session 9 with decode alternative 18, against v8's BT
+// 16: M = 96 0.925, 128 0.959, 192 1.084, `-s9-bt8.json`); above, the wgmma GEMM (v8) wins at
+// every M: BT = 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32
 // before BT 32 trimmed its tiles, M = 384 0.95x of the trimmed BT 32; the wgmma half as wide
 // where the tiles hold ~4-12 routes; at M = 512 1.19x: many experts need two tiles, each
 // dequantizing the weights again), BT = 32 to lambda = 20 (M = 512-640), 48 at lambda = 32 (M =
@@ -1770,7 +1841,7 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // (0.93-0.98x of 128; session 5 sweep, results/kernel-nvidia-h200-2026-11-29-s5-btwide.json).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (lambda <= 2) return 8;
+  if (lambda <= 4) return 8;
   if (lambda <= 12) return 16;
   if (lambda <= 20) return 32;
   if (lambda <= 45) return 48;
@@ -1930,7 +2001,9 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (!launched) return fail(1, "no compiled GEMM for this tile size and path");
   if (rc) return rc;
 
-  return launch("finalize_kernel", finalize_kernel, dim3(static_cast<unsigned>(a.m)), dim3(256),
+  const bool batched = fin_batched(a.m);
+  return launch("finalize_kernel", batched ? finalize_kernel<true> : finalize_kernel<false>,
+                dim3(static_cast<unsigned>(a.m)), dim3(batched ? fin_threads_for(a.h) : 256),
                 static_cast<size_t>(a.top_k) * 8, stream, c.pos_of_route,
                 static_cast<const float*>(a.topk_weights), a.top_k,
                 static_cast<const uint16_t*>(c.z), static_cast<const float*>(c.partial),
