@@ -304,10 +304,11 @@ def test_route_multiblock_bit_identical(case, backend, monkeypatch, m, bt):
         assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: multi-block routing differs"
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 6])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
-    """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; 2 by default at <= 8
-    routes: blocks loop over tiles) compute the same bits as one row per possible tile."""
+    """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; by default 2 at <= 8
+    routes, 6 at 17-64: blocks loop over tiles) compute the same bits as one row per possible
+    tile."""
     preset, layer, state = case
     for m, bt in ((1, 8), (3, 8), (40, 8), (40, 24)):
         ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + bt)

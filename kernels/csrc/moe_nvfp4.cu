@@ -917,9 +917,13 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 
 // v6 on a grid of fewer rows than t_max (grid_rows): each block loops over tiles y, y + rows, ...
 // A kernel of its own: the loop raised ptxas's register use of the split-K 8 instances from 40
-// to 88 (one block per SM by registers), and the full grid must not pay for it.
-template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__global__ void __launch_bounds__(NW * NK * 32, 2) moe_gemm_loop_kernel(const GemmArgs a) {
+// to 88 (one block per SM by registers), and the full grid must not pay for it. MB: blocks per
+// SM asked of ptxas. 2 for calls of <= 8 routes (M = 1, 2 rows; 79-86 registers); loop_mb (64
+// registers at BT 8) for the caps of larger decode calls (grid_rows), which need the full grid's
+// occupancy (session 9).
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, int MB>
+__global__ void __launch_bounds__(NW * NK * 32, MB)
+    moe_gemm_loop_kernel(const GemmArgs a) {
   tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
@@ -1665,12 +1669,24 @@ int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int sme
 // v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap);
 // by default 2 for calls of <= 8 routes (M = 1 at top-8: t_max 9 rows of which ~1 is a tile;
 // H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
-// from M = 2), t_max (one row per tile the call could have) above.
+// from M = 2), 6 for calls of 17-64 routes (M = 3-8: t_max 27-72 rows for ~3-7 tiles; session 9,
+// with the loop kernel at the full grid's occupancy: M = 4 0.980-0.985, 8 0.984 against the full
+// grid, 2 and 16 1.01-1.07), t_max (one row per tile the call could have) elsewhere.
 constexpr long long kCapRowsMaxRoutes = 8;
+constexpr long long kCap6MinRoutes = 17, kCap6MaxRoutes = 64;
 int grid_rows(int t_max, long long routes) {
   const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
-  const int cap = (v && v[0]) ? atoi(v) : (routes <= kCapRowsMaxRoutes ? 2 : 0);
+  const int cap = (v && v[0]) ? atoi(v)
+                  : routes <= kCapRowsMaxRoutes                           ? 2
+                  : routes >= kCap6MinRoutes && routes <= kCap6MaxRoutes ? 6
+                                                                          : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
+}
+// Blocks per SM asked of ptxas for the loop kernel of calls above kCapRowsMaxRoutes: the full
+// grid's occupancy at BT 8 (64 registers: 1024 / threads blocks), else 2.
+template <int BT, int WARPS>
+constexpr int loop_mb() {
+  return BT == 8 && 32 / WARPS > 2 ? 32 / WARPS : 2;
 }
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
@@ -1687,12 +1703,19 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
   const int rows = grid_rows(t_max, routes);
+  constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
+  if (rows < t_max && routes <= kCapRowsMaxRoutes)
+    return launch_gemm_pair(
+        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>,
+        dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
+        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>, dim3(nx2, rows), Sh2::kThreads,
+        Sh2::kSmemBytes, g1, g2, stream);
   if (rows < t_max)
     return launch_gemm_pair(
-        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>,
+        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
         dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
-        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, rows), Sh2::kThreads,
-        Sh2::kSmemBytes, g1, g2, stream);
+        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>, dim3(nx2, rows),
+        Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
   return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
                           dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
                           moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
@@ -1709,10 +1732,16 @@ int set_smem_attrs() {
                            Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
                            Sh2::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
+      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>, attr,
                            Sh1::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
-                           Sh2::kSmemBytes) != cudaSuccess)
+      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>, attr,
+                           Sh2::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(
+          moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, loop_mb<BT, N1 * NK1>()>, attr,
+          Sh1::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(
+          moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, loop_mb<BT, N2 * NK2>()>, attr,
+          Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   return 0;
 }
