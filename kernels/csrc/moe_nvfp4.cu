@@ -1670,8 +1670,9 @@ int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int sme
 // by default 2 for calls of <= 8 routes (M = 1 at top-8: t_max 9 rows of which ~1 is a tile;
 // H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
 // from M = 2), 6 for calls of 17-64 routes (M = 3-8: t_max 27-72 rows for ~3-7 tiles; session 9,
-// with the loop kernel at the full grid's occupancy: M = 4 0.980-0.985, 8 0.984 against the full
-// grid, 2 and 16 1.01-1.07), t_max (one row per tile the call could have) elsewhere.
+// with the loop kernel at the full grid's occupancy, 6 rows / full grid in two calls: M = 4 0.985
+// and 0.984, 8 0.984 and 0.989; M = 2 1.009, 16 1.069), t_max (one row per tile the call could
+// have) elsewhere.
 constexpr long long kCapRowsMaxRoutes = 8;
 constexpr long long kCap6MinRoutes = 17, kCap6MaxRoutes = 64;
 int grid_rows(int t_max, long long routes) {
