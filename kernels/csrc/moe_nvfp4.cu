@@ -171,9 +171,10 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // routes). Smaller GEMM1 blocks at the same warps per SM: the last wave of GEMM1 blocks is
 // shorter. 16-row blocks (14) are 7-12% slower from M = 3. Measured and dropped in session 9
 // (`-s9-alts1617.json`, `-s9-fin-lut-alts.json`): 16 (18 with GEMM2 1 2 2 4 3: 0.985 / 0.969 /
-// 0.966), 17 and 19 (13 / 15 with that GEMM2: 0.996-1.03). The table's BT 8 row where H or I is not a multiple of 512, or
-// EXPERTD_KERNEL_DECODE_ALT=0. (Sessions 4-7 picked 6 / 7 / 11: 3-6% and 3-10% ahead of the
-// table, 11 2-3% ahead of 7 from 256 routes.)
+// 0.966), 17 and 19 (13 / 15 with that GEMM2: 0.996-1.03), and warp-private blocks (20 / 21:
+// 1.03-1.21, branch v6-warp-private-dropped). The table's BT 8 row where H or I is not a
+// multiple of 512, or EXPERTD_KERNEL_DECODE_ALT=0. (Sessions 4-7 picked 6 / 7 / 11: 3-6% and
+// 3-10% ahead of the table, 11 2-3% ahead of 7 from 256 routes.)
 // Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
 // from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
 // Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
@@ -1320,15 +1321,34 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
   __syncthreads();
 }
 
+// acc[0..7] += cj * the 8 bf16 of v (one 16-byte chunk of a z row).
+__device__ __forceinline__ void fin_accumulate(float (&acc)[8], const float cj, const uint4 v) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
+    acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
+  }
+}
+__device__ __forceinline__ void fin_store(const float (&acc)[8], const int t, const int c,
+                                          const int h, uint16_t* __restrict__ out) {
+  uint4 o;
+  o.x = pack_bf16x2(acc[0], acc[1]);
+  o.y = pack_bf16x2(acc[2], acc[3]);
+  o.z = pack_bf16x2(acc[4], acc[5]);
+  o.w = pack_bf16x2(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+}
+
 // out[t, 8 c .. 8 c + 7] = sum_j coef_j z[pos_j, ...] in route order (zeros without a route).
 // The z chunks of up to kFinBatch routes are loaded before any is summed: one L2 round trip per
 // batch instead of one per local route (finalize_chunk's loop has each load behind the previous
 // route's branch, SASS); the same sums in the same order.
 constexpr int kFinBatch = 8;
 __device__ __forceinline__ void finalize_chunk_batched(const int t, const int c, const int top_k,
-                                               const float* coef, const int* pos,
-                                               const uint16_t* __restrict__ z, const int h,
-                                               uint16_t* __restrict__ out) {
+                                                       const float* coef, const int* pos,
+                                                       const uint16_t* __restrict__ z,
+                                                       const int h, uint16_t* __restrict__ out) {
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
@@ -1342,23 +1362,10 @@ __device__ __forceinline__ void finalize_chunk_batched(const int t, const int c,
                     : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int u = 0; u < kFinBatch; ++u) {
-      if (j0 + u >= top_k || pos[j0 + u] < 0) continue;
-      const float cj = coef[j0 + u];
-      const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
-        acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
-      }
-    }
+    for (int u = 0; u < kFinBatch; ++u)
+      if (j0 + u < top_k && pos[j0 + u] >= 0) fin_accumulate(acc, coef[j0 + u], v[u]);
   }
-  uint4 o;
-  o.x = pack_bf16x2(acc[0], acc[1]);
-  o.y = pack_bf16x2(acc[2], acc[3]);
-  o.z = pack_bf16x2(acc[4], acc[5]);
-  o.w = pack_bf16x2(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+  fin_store(acc, t, c, h, out);
 }
 
 // The same, one route after another (fewer registers: 32 against 59 for the kernel).
@@ -1372,22 +1379,11 @@ __device__ __forceinline__ void finalize_chunk(const int t, const int c, const i
   for (int j = 0; j < top_k; ++j) {
     const int p = pos[j];
     if (p < 0) continue;
-    const float cj = coef[j];
-    const uint4 v =
-        __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8));
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[2 * i] += cj * bf16_bits_to_float(words[i] & 0xFFFFu);
-      acc[2 * i + 1] += cj * bf16_bits_to_float(words[i] >> 16);
-    }
+    fin_accumulate(
+        acc, coef[j],
+        __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p) * h + c * 8)));
   }
-  uint4 o;
-  o.x = pack_bf16x2(acc[0], acc[1]);
-  o.y = pack_bf16x2(acc[2], acc[3]);
-  o.z = pack_bf16x2(acc[4], acc[5]);
-  o.w = pack_bf16x2(acc[6], acc[7]);
-  *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * h + c * 8) = o;
+  fin_store(acc, t, c, h, out);
 }
 
 // One block per token; H / 8 16-byte chunks spread over the threads (BATCHED: the routes' loads
