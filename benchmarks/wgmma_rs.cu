@@ -429,6 +429,10 @@ void add_n(std::vector<Inst>& v) {
   v.push_back({0, N, 16, 1, 1, bench<N, 16, 1>});
   v.push_back({0, N, 32, 1, 1, bench<N, 32, 1>});
 }
+template <int... Ns>
+void add_ns(std::vector<Inst>& v) {
+  (add_n<Ns>(v), ...);
+}
 // Ping-pong and split instances (blocks of 2 warpgroups only).
 template <int N>
 void add_pingpong(std::vector<Inst>& v) {
@@ -523,23 +527,8 @@ int main(int argc, char** argv) {
     add_pingpong<48>(insts);
     add_pingpong<64>(insts);
   }
-  if (which == "all" || which == "wgmma") {
-    add_n<16>(insts);
-    add_n<32>(insts);
-    add_n<48>(insts);
-    add_n<64>(insts);
-    add_n<96>(insts);
-    add_n<128>(insts);
-    add_n<160>(insts);
-  }
-  if (which == "widths") {
-    add_n<8>(insts);
-    add_n<16>(insts);
-    add_n<24>(insts);
-    add_n<32>(insts);
-    add_n<40>(insts);
-    add_n<48>(insts);
-  }
+  if (which == "all" || which == "wgmma") add_ns<16, 32, 48, 64, 96, 128, 160>(insts);
+  if (which == "widths") add_ns<8, 16, 24, 32, 40, 48>(insts);
   if (which == "all" || which == "hmma") {
     add_hmma<16, 1>(insts);
     add_hmma<16, 2>(insts);

@@ -1701,18 +1701,17 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
   const int rows = grid_rows(t_max, routes);
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
-  if (rows < t_max && routes <= kCapRowsMaxRoutes)
+  if (rows < t_max) {
+    const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
     return launch_gemm_pair(
-        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>,
+        "moe_gemm loop (gate/up)",
+        two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
+            : moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
         dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
-        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>, dim3(nx2, rows), Sh2::kThreads,
-        Sh2::kSmemBytes, g1, g2, stream);
-  if (rows < t_max)
-    return launch_gemm_pair(
-        "moe_gemm loop (gate/up)", moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
-        dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
-        moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>, dim3(nx2, rows),
-        Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
+        two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
+            : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
+        dim3(nx2, rows), Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
+  }
   return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
                           dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
                           moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
