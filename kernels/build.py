@@ -35,6 +35,8 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_FIN_SERIAL          1: finalize loads a token's routes one after another at
                                        every M (same bits; A/B); default: together below 512
                                        tokens
+    EXPERTD_KERNEL_ROUTE_THREADS       256 or 1024: route_kernel's block (same bits; A/B);
+                                       default: 256 for calls of <= 64 routes
 
 Run `python -m expertd.kernels.build` to build and print the library path.
 """

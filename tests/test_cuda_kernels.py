@@ -273,6 +273,22 @@ def test_finalize_batched_bit_identical(case, backend, monkeypatch, m, top_k):
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} top-{top_k} finalize")
 
 
+@pytest.mark.parametrize("threads,m", [(1024, 1), (1024, 8), (256, 97), (256, 200)])
+def test_route_threads_bit_identical(case, backend, monkeypatch, threads, m):
+    """route_kernel on 256 threads (the default to 64 routes) or 1024 (above): the same bits
+    either way (EXPERTD_KERNEL_ROUTE_THREADS forces one)."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, 8, seed=m + 24)
+    ids[:, 0] = int(layer.experts[0])
+    ids[::2, 7] = int(layer.experts[-1])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 9))
+    x = x.to(torch.bfloat16).cuda()
+    want = _run(backend, state, x, ids, w)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_THREADS", str(threads))
+    got = _run(backend, state, x, ids, w)
+    assert torch.equal(got, want), f"{preset.name} M {m}: route_kernel on {threads} threads differs"
+
+
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the

@@ -390,7 +390,9 @@ __device__ __forceinline__ int expert_of_tile(const int* off, int el, int tile, 
   return lo;
 }
 
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(
+// THREADS: 1024, or 256 for calls of <= kRouteSmallMaxRoutes routes (route_threads_for).
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
     int num_experts, int el, int bt, int balanced, int* __restrict__ sorted_route,
     int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
@@ -404,21 +406,21 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
   tl_mark(0, 1);
   pdl_launch_dependents();
-  for (int i = tid; i < el; i += kRouteThreads) {
+  for (int i = tid; i < el; i += THREADS) {
     cnt[i] = 0;
     fill[i] = 0;
   }
   int cached[kCached];
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
-    const int r = tid + i * kRouteThreads;
+    const int r = tid + i * THREADS;
     cached[i] = r < num_routes ? local_expert(topk_ids, local_of, r, num_experts, el) : -1;
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kCached; ++i)
     if (cached[i] >= 0) atomicAdd(&cnt[cached[i]], 1);
-  for (int r = tid + kCached * kRouteThreads; r < num_routes; r += kRouteThreads) {
+  for (int r = tid + kCached * THREADS; r < num_routes; r += THREADS) {
     const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
@@ -429,13 +431,13 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   }
   __syncthreads();
   const int total = off[el];
-  for (int p = tid; p < total; p += kRouteThreads) sorted_route[p] = -1;
-  for (int tile = tid; tile < total / bt; tile += kRouteThreads)
+  for (int p = tid; p < total; p += THREADS) sorted_route[p] = -1;
+  for (int tile = tid; tile < total / bt; tile += THREADS)
     tile_expert[tile] = expert_of_tile(off, el, tile, bt);
   __syncthreads();  // padding written before the scatter overwrites the used positions
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
-    const int r = tid + i * kRouteThreads;
+    const int r = tid + i * THREADS;
     if (r < num_routes) {
       int p = -1;
       if (cached[i] >= 0) {
@@ -445,7 +447,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
       pos_of_route[r] = p;
     }
   }
-  for (int r = tid + kCached * kRouteThreads; r < num_routes; r += kRouteThreads) {
+  for (int r = tid + kCached * THREADS; r < num_routes; r += THREADS) {
     const int e = local_expert(topk_ids, local_of, r, num_experts, el);
     int p = -1;
     if (e >= 0) {
@@ -1631,6 +1633,17 @@ bool fin_batched(long long m) {
   const char* v = getenv("EXPERTD_KERNEL_FIN_SERIAL");
   return !(v && v[0] == '1') && m < kFinBatchedMaxTokens;
 }
+// route_kernel's block for a call: 256 threads for calls of <= kRouteSmallMaxRoutes routes (fewer
+// warps at each of its barriers), else 1024. H200, session 10, 256 / 1024 threads timed in
+// alternating runs (`-s10-drafts.json`, then up to 1024 routes): M = 1 0.981, 2 0.989, 4 0.998,
+// 8 1.000, 16-128 0.999-1.005; the same bits (test_route_threads_bit_identical).
+constexpr long long kRouteSmallMaxRoutes = 64;
+// EXPERTD_KERNEL_ROUTE_THREADS=256 or 1024 forces one (A/B).
+int route_threads_for(long long routes) {
+  const char* v = getenv("EXPERTD_KERNEL_ROUTE_THREADS");
+  if (v && v[0]) return atoi(v) == 256 ? 256 : kRouteThreads;
+  return routes <= kRouteSmallMaxRoutes ? 256 : kRouteThreads;
+}
 int fin_threads_for(int h) {
   const int t = (h / 8 + 31) / 32 * 32;
   return t < 32 ? 32 : (t > 512 ? 512 : t);
@@ -1985,11 +1998,14 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                         bt, static_cast<const int*>(c.route_hist), c.sorted_route,
                         c.pos_of_route, c.tile_expert, c.num_tiles))
       return rc;
-  } else if (int rc = launch("route_kernel", route_kernel, dim3(1), dim3(kRouteThreads),
-                             sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes,
-                             a.local_of, a.num_experts, a.el, bt, route_balanced(),
-                             c.sorted_route, c.pos_of_route, c.tile_expert, c.num_tiles)) {
-    return rc;
+  } else {
+    const int threads = route_threads_for(routes);
+    if (int rc = launch("route_kernel", threads == 256 ? route_kernel<256> : route_kernel<kRouteThreads>,
+                        dim3(1), dim3(threads), sizeof(int) * (4 * a.el + 1),
+                        stream, a.topk_ids, routes, a.local_of, a.num_experts, a.el, bt,
+                        route_balanced(), c.sorted_route, c.pos_of_route, c.tile_expert,
+                        c.num_tiles))
+      return rc;
   }
 
   int rc = 0;
