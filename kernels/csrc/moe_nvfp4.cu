@@ -867,30 +867,36 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   }
 
   const int g = lane >> 2;
-  for (int kt = 0; kt < kt_count; ++kt) {
-    cp_async_wait<ST - 2>();
-    __syncthreads();
-    {
-      const int next = kt + ST - 1;
-      if (next < kt_count) load_stage(next % ST, next);
-      cp_async_commit();
-    }
-    const uint8_t* base = smem + (kt % ST) * S::kStageBytes;
-    const uint8_t* w_s = base;
-    const uint8_t* s_s = base + S::kWBytes;
-    const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
+  // Unrolled by ST: stage kt0 + s sits in ring slot s, a compile-time offset (no "kt % ST").
+  for (int kt0 = 0; kt0 < kt_count; kt0 += ST) {
 #pragma unroll
-    for (int kgi = 0; kgi < KG / NK; ++kgi) {
-      const int kg = kgi * NK + wk;
-      uint4 q[WM];
-      uint4 sc[WM];
-#pragma unroll
-      for (int w = 0; w < WM; ++w) {
-        const int m = wm * WM + w;
-        q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
-        sc[w] = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
+    for (int s = 0; s < ST; ++s) {
+      const int kt = kt0 + s;
+      if (kt >= kt_count) break;
+      cp_async_wait<ST - 2>();
+      __syncthreads();
+      {
+        const int next = kt + ST - 1;
+        if (next < kt_count) load_stage((s + ST - 1) % ST, next);
+        cp_async_commit();
       }
-      kgroup_mma<WM, NT>(acc, q, sc, a_s, b_lane_off(kChunksPerRow, lane), kg, kChunksPerRow);
+      const uint8_t* base = smem + s * S::kStageBytes;
+      const uint8_t* w_s = base;
+      const uint8_t* s_s = base + S::kWBytes;
+      const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
+#pragma unroll
+      for (int kgi = 0; kgi < KG / NK; ++kgi) {
+        const int kg = kgi * NK + wk;
+        uint4 q[WM];
+        uint4 sc[WM];
+#pragma unroll
+        for (int w = 0; w < WM; ++w) {
+          const int m = wm * WM + w;
+          q[w] = *reinterpret_cast<const uint4*>(w_s + (m * KG + kg) * 512 + lane * 16);
+          sc[w] = *reinterpret_cast<const uint4*>(s_s + (m * KG + kg) * 128 + g * 16);
+        }
+        kgroup_mma<WM, NT>(acc, q, sc, a_s, b_lane_off(kChunksPerRow, lane), kg, kChunksPerRow);
+      }
     }
   }
   cp_async_wait<0>();
@@ -1218,18 +1224,40 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       if (s < kt_count) load_stage(s, s);
       cp_async_commit();
     }
-    for (int kt = 0; kt < kt_count; ++kt) {
+    // Below BT 96 (the ring 2 tiles of the defaults) the loop is unrolled by ST: stage kt0 + s
+    // sits in ring slot s (compile-time smem and descriptor offsets, no "kt % ST"; at BT 96 and
+    // up the unrolled loop spills, and those tiles run ring 3 by default).
+    auto stage = [&](const int kt, const int slot) {  // BT < 96: slot is a constant
       cp_async_wait<ST - 2>();
       __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
       const int next = kt + ST - 1;  // into the slot of stage kt - 1
-      const int slot = kt % ST;
       const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
       dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
       issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
       // The copies after this stage's math: it starts right at the barrier.
-      if (next < kt_count) load_stage(next % ST, next);
+      if (next < kt_count) load_stage((slot + ST - 1) % ST, next);
       cp_async_commit();
       wgmma_wait<0>();  // this stage's slot and the A registers are free again
+    };
+    if constexpr (BT < 96) {
+      for (int kt0 = 0; kt0 < kt_count; kt0 += ST) {
+#pragma unroll
+        for (int s = 0; s < ST; ++s)
+          if (kt0 + s < kt_count) stage(kt0 + s, s);
+      }
+    } else {
+      for (int kt = 0; kt < kt_count; ++kt) {  // (as a lambda call, BT 160 spilled)
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        const int next = kt + ST - 1;
+        const int slot = kt % ST;
+        const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
+        dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
+        issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
+        if (next < kt_count) load_stage(next % ST, next);
+        cp_async_commit();
+        wgmma_wait<0>();
+      }
     }
     cp_async_wait<0>();
   }
