@@ -1193,8 +1193,9 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       const uint8_t* w_s = smem + S::kABytes;
       dequant_unit<WM, KG, U>(w_s, w_s + S::kWBytes, warp, lane, 0, 0, afa);
     }
-    for (int kt = 0; kt < kt_count; ++kt) {
-      const int slot = kt % ST;
+    // Unrolled by ST (ring slots compile-time constants) for BT 96-144; BT 160 (6 stages of 4
+    // warpgroups) keeps the loop.
+    auto stage3 = [&](const int kt, const int slot, const int slot_next) {
       const uint64_t desc = desc_base + ((slot * S::kStageBytes) >> 4);
       const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
 #pragma unroll
@@ -1211,11 +1212,20 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
           const int next = kt + 1 + D;  // into the slot of stage kt - 1
           if (next < kt_count) load_stage(next % ST, next);
           cp_async_commit();
-          const uint8_t* w_n = smem + ((kt + 1) % ST) * S::kStageBytes + S::kABytes;
+          const uint8_t* w_n = smem + slot_next * S::kStageBytes + S::kABytes;
           dequant_unit<WM, KG, U>(w_n, w_n + S::kWBytes, warp, lane, 0, 0, nxt);
         }
         wgmma_wait<0>();
       }
+    };
+    if constexpr (BT < 160) {
+      for (int kt0 = 0; kt0 < kt_count; kt0 += ST) {
+#pragma unroll
+        for (int s = 0; s < ST; ++s)
+          if (kt0 + s < kt_count) stage3(kt0 + s, s, (s + 1) % ST);
+      }
+    } else {
+      for (int kt = 0; kt < kt_count; ++kt) stage3(kt, kt % ST, (kt + 1) % ST);
     }
     cp_async_wait<0>();
   } else {
