@@ -162,7 +162,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //   14 |  8 |        1  1  4  8  3 |        1  2  4  8  3 | the same with 16-row GEMM1 blocks
 //   15 |  8 |        1  2  2  8  3 |        1  2  2  8  3 | alt 11 with 32-row GEMM1 blocks
 //   18 |  8 |        1  2  2  4  3 |        1  2  2  8  3 | 15 with GEMM1 stages half as deep in k
-//      |    |                      |                      |   (27 KB, 55 registers: 8 blocks of 4
+//      |    |                      |                      |   (27 KB, 50 registers: 8 blocks of 4
 //      |    |                      |                      |   warps per SM where 15 has 4)
 // Picked by default (decode_alt_for; H200, NOTES.md, sessions 8-9, timed in alternating runs):
 // 13 for BT 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16
@@ -927,7 +927,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
 // v6 on a grid of fewer rows than t_max (grid_rows): each block loops over tiles y, y + rows, ...
 // A kernel of its own: the loop raised ptxas's register use of the split-K 8 instances from 40
 // to 88 (one block per SM by registers), and the full grid must not pay for it. MB: blocks per
-// SM asked of ptxas. 2 for calls of <= 8 routes (M = 1, 2 rows; 79-86 registers); loop_mb (64
+// SM asked of ptxas. 2 for calls of <= 8 routes (M = 1, 2 rows; 70-80 registers); loop_mb (64
 // registers at BT 8) for the caps of larger decode calls (grid_rows), which need the full grid's
 // occupancy (session 9).
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, int MB>
