@@ -2038,11 +2038,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
       return rc;
   } else {
     const int threads = route_threads_for(routes);
-    if (int rc = launch("route_kernel", threads == 256 ? route_kernel<256> : route_kernel<kRouteThreads>,
-                        dim3(1), dim3(threads), sizeof(int) * (4 * a.el + 1),
-                        stream, a.topk_ids, routes, a.local_of, a.num_experts, a.el, bt,
-                        route_balanced(), c.sorted_route, c.pos_of_route, c.tile_expert,
-                        c.num_tiles))
+    const auto kernel = threads == 256 ? route_kernel<256> : route_kernel<kRouteThreads>;
+    if (int rc = launch("route_kernel", kernel, dim3(1), dim3(threads),
+                        sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
+                        a.num_experts, a.el, bt, route_balanced(), c.sorted_route,
+                        c.pos_of_route, c.tile_expert, c.num_tiles))
       return rc;
   }
 
