@@ -9,6 +9,7 @@ Environment:
     EXPERTD_KERNEL_VERBOSE  1: print the ninja/nvcc log (and ptxas -v register report)
     EXPERTD_KERNEL_LIB      path of a prebuilt library to load instead of building
     EXPERTD_NVCC            the nvcc to use (default: $CUDA_HOME/bin/nvcc, then PATH)
+    EXPERTD_KERNEL_DEFINES  "-DEXPERTD_X=v ...": compile-time kernel variants (own cache key)
     EXPERTD_KERNEL_TIMELINE 1: build (and load) the instrumented library whose kernels record
                             %globaltimer events for benchmarks/timeline.py
 
@@ -70,11 +71,17 @@ NVCC_FLAGS = (
 
 
 def nvcc_flags() -> tuple[str, ...]:
-    """NVCC_FLAGS, plus -DEXPERTD_TIMELINE under EXPERTD_KERNEL_TIMELINE=1 (a separate library:
-    the flags are part of the cache key)."""
+    """NVCC_FLAGS, plus -DEXPERTD_TIMELINE under EXPERTD_KERNEL_TIMELINE=1 and the -D macros of
+    EXPERTD_KERNEL_DEFINES (space-separated "-DEXPERTD_NAME=value" macros: compile-time
+    variants for a library A/B). Each is a separate library: the flags are part of the cache key."""
+    flags = NVCC_FLAGS
     if os.environ.get("EXPERTD_KERNEL_TIMELINE", "") == "1":
-        return (*NVCC_FLAGS, "-DEXPERTD_TIMELINE")
-    return NVCC_FLAGS
+        flags = (*flags, "-DEXPERTD_TIMELINE")
+    defines = os.environ.get("EXPERTD_KERNEL_DEFINES", "").split()
+    bad = [d for d in defines if not d.startswith("-DEXPERTD_")]
+    if bad:
+        raise ValueError(f"EXPERTD_KERNEL_DEFINES takes -DEXPERTD_... macros only, not {bad}")
+    return (*flags, *defines)
 
 
 def cache_dir() -> Path:

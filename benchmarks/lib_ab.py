@@ -1,0 +1,91 @@
+"""Library A/B: time whole kernel builds against each other in one device call.
+
+A switch inside one build changes the code it is meant to compare (session 10: code that never
+ran made the default 20-45% slower), so a change to a GEMM is measured as two libraries built
+here (`EXPERTD_KERNEL_CACHE=/tmp/kcX python -m expertd.kernels.build`, then copied under
+.carry/<name>/) and loaded in turn through EXPERTD_KERNEL_LIB. Each round runs
+benchmarks/kernel.py once per library, in the order given, so every library sees the same
+machine state; the table pairs each library with the first one of the same round.
+
+    python benchmarks/lib_ab.py --lib old=.carry/A/libexpertd_kernels.so \
+        --lib new=.carry/B/libexpertd_kernels.so --rounds 2 --ms 1,4,64 --out $OUT/ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int, float]:
+    """graph_us per M of one benchmarks/kernel.py run on the library at `lib`."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, EXPERTD_KERNEL_LIB=str(Path(lib).resolve()), **env_extra)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel.py"), "--ms", ms, "--no-baseline"]
+    cmd += ["--fixed-max", "0", "--bt-sweep-max", "0", "--dec-alt-max", "0", "--path-ab-max", "0"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"kernel.py failed on {lib}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
+    files = sorted(out.glob("kernel-*.json"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise SystemExit(f"kernel.py wrote no results file under {out}")
+    rows = json.loads(files[-1].read_text())["rows"]
+    return {int(r["M"]): float(r["graph_us"]) for r in rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--lib", action="append", required=True, help="NAME=path/to/libexpertd_kernels.so"
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ms", default="1,4,16,64,256,1024,4096")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/lib-ab"))
+    ap.add_argument("--env", default="", help="kernel switches for every run, K=V,K=V")
+    args = ap.parse_args()
+
+    libs = []
+    for spec in args.lib:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--lib {spec!r}: expected NAME=path to an existing library")
+        libs.append((name, path))
+    env_extra = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+    out = Path(args.out)
+    runs: list[tuple[int, str, dict[int, float]]] = []
+    for rnd in range(args.rounds):
+        for name, path in libs:
+            us = run_one(path, args.ms, out / f"r{rnd}-{name}", env_extra)
+            runs.append((rnd, name, us))
+            print(
+                f"== {name:6s} " + " | ".join(f"{m} {t:.1f}" for m, t in sorted(us.items())),
+                flush=True,
+            )
+
+    base = libs[0][0]
+    print(f"\nratio to {base} in the same round (graph us; < 1 = faster than {base}):")
+    ms = sorted(runs[0][2])
+    print("lib     round " + " ".join(f"{m:>7d}" for m in ms))
+    summary = {"libs": dict(libs), "ms": ms, "runs": [], "ratios": []}
+    for rnd, name, us in runs:
+        summary["runs"].append({"round": rnd, "lib": name, "graph_us": us})
+        if name == base:
+            continue
+        ref = next(u for r, n, u in runs if r == rnd and n == base)
+        ratio = {m: us[m] / ref[m] for m in ms}
+        summary["ratios"].append({"round": rnd, "lib": name, "ratio": ratio})
+        print(f"{name:6s}  {rnd:5d} " + " ".join(f"{ratio[m]:7.3f}" for m in ms))
+    (out / "lib-ab.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
