@@ -189,8 +189,6 @@ DECODE_ALTS = {
     14: (8, 512, 512, 0),
     15: (8, 512, 512, 11),
     18: (8, 256, 512, None),
-    23: (8, 512, 512, None),  # 16-row GEMM2 blocks: twice the partial sums of z^2
-    24: (8, 512, 512, None),
 }
 
 

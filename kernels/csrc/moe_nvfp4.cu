@@ -140,8 +140,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 
 // Decode alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above): the default for BT 8 and 16 calls where H and I are multiples of 512 (below).
-// GEMM2's rows per block set the partial-sum layout (nparts = H / rows): the plan takes them from
-// the alternative that runs (alt_g2_rows).
+// GEMM2 keeps the rows per block of the main config of its BT (the partial-sum layout depends on
+// it).
 //   id | BT | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
 //    6 |  8 |        1  2  8  8  4 |        1  2  8  8  4 | split-K over 8 warps (BK 512: H and I
 //      |    |                      |                      |   multiples of 512): twice the warps
@@ -164,11 +164,6 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //   18 |  8 |        1  2  2  4  3 |        1  2  2  8  3 | 15 with GEMM1 stages half as deep in k
 //      |    |                      |                      |   (27 KB, 50 registers: 8 blocks of 4
 //      |    |                      |                      |   warps per SM where 15 has 4)
-//   23 |  8 |        1  2  4  8  3 |        1  1  4  8  3 | 13 with 16-row GEMM2 blocks: at M = 1
-//      |    |                      |                      |   GEMM2's 128 blocks of 32 rows run one
-//      |    |                      |                      |   per SM (timeline, session 11: 16.7
-//      |    |                      |                      |   GB/s per SM; two blocks ~22)
-//   24 |  8 |        1  1  4  8  3 |        1  1  4  8  3 | 14 (16-row GEMM1 blocks) with them
 // Picked by default (decode_alt_for; H200, NOTES.md, sessions 8-9, timed in alternating runs):
 // 13 for BT 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16
 // routes and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 18
@@ -194,9 +189,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(13, 8, 1, 2, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(14, 8, 1, 1, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)  \
-  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)  \
-  X(23, 8, 1, 2, 4, 8, 3, 1, 1, 4, 8, 3)  \
-  X(24, 8, 1, 1, 4, 8, 3, 1, 1, 4, 8, 3)
+  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -209,7 +202,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
 }
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -785,11 +777,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   const int kt_count = a.k / S::kBK;
   const int kg_count = a.k / 64;
 
-  // 128-byte aligned: the dynamic region starts after the static variables (red, row_off), and
-  // at 16-byte alignment a static size of 64 (GEMM1) put the ring 64 bytes into a 128-byte row, so
-  // every cp.async wrote each row in 2 shared-memory wavefronts; at 112 bytes (16 off a 32-byte
-  // sector) every cp.async touched twice the L2 sectors and 3x the wavefronts, and the main loop
-  // streamed 1.75x slower (session 11, ncu; also session 10's split-K build, +16 bytes).
+  // 128-byte aligned (was 16): the dynamic region starts after the static variables (red,
+  // row_off). At 16 a static size of 64 bytes (GEMM1) put the ring 64 bytes into a 128-byte row,
+  // so each cp.async wrote every row in 2 shared-memory wavefronts (M = 2-128 3-6% slower); a
+  // size 16 off a 32-byte sector made every cp.async touch 2x the L2 sectors and 3x the
+  // wavefronts, the main loop 1.75x slower (session 11, ncu; session 10's split-K build too).
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float red[NW][BT];
   __shared__ long long row_off[BT];  // element offset of each token row in act_in, -1 = padding
@@ -1552,24 +1544,6 @@ int g2_rows_for(int bt, int path) {
 #undef EXPERTD_G2ROWS
   return 0;
 }
-// GEMM2's weight rows per block in decode alternative `alt` (0 if there is none).
-int alt_g2_rows(int alt) {
-#define EXPERTD_ALT_G2ROWS(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (alt == ID) return 16 * W2 * N2;
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_G2ROWS)
-#undef EXPERTD_ALT_G2ROWS
-  return 0;
-}
-// The fewest GEMM2 rows per block of any v6 configuration of tile size bt (the most partial
-// sums: what the workspace must hold).
-int min_g2_rows_v6(int bt) {
-  int rows = g2_rows_for(bt, 6);
-#define EXPERTD_ALT_MIN(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (bt == BT && 16 * W2 * N2 < rows) rows = 16 * W2 * N2;
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MIN)
-#undef EXPERTD_ALT_MIN
-  return rows;
-}
 int g1_rows_for(int bt, int path) {
   if (path == 8) {
 #define EXPERTD_WG_G1ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
@@ -1770,18 +1744,6 @@ constexpr int loop_mb() {
   return BT == 8 && 32 / WARPS > 2 ? 32 / WARPS : 2;
 }
 
-// Dynamic shared memory of a v6 GEMM launch: the configuration's, or more to cap the blocks an
-// SM holds. EXPERTD_KERNEL_SMEM1 / _SMEM2 = bytes (GEMM1 / GEMM2; experiment, session 11): the
-// timeline at M = 1 showed 7 SMs holding 3 of GEMM1's 256 real blocks (13 holding 1) and
-// setting its end; 80 KB per block allows 2 per SM. kV6SmemAttr is the attribute every v6
-// instance gets at init, so any size up to it launches.
-constexpr int kV6SmemAttr = 200 * 1024;
-int v6_smem(int base, const char* name) {
-  const char* v = getenv(name);
-  const int want = (v && v[0]) ? atoi(v) : 0;
-  return want > base ? (want < kV6SmemAttr ? want : kV6SmemAttr) : base;
-}
-
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
 int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long routes, int h,
@@ -1797,45 +1759,43 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
   const int rows = grid_rows(t_max, routes);
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
-  const int smem1 = v6_smem(Sh1::kSmemBytes, "EXPERTD_KERNEL_SMEM1");
-  const int smem2 = v6_smem(Sh2::kSmemBytes, "EXPERTD_KERNEL_SMEM2");
   if (rows < t_max) {
     const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
     return launch_gemm_pair(
         "moe_gemm loop (gate/up)",
         two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
             : moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
-        dim3(nx1, rows), Sh1::kThreads, smem1, "moe_gemm loop (down)",
+        dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
         two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
             : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
-        dim3(nx2, rows), Sh2::kThreads, smem2, g1, g2, stream);
+        dim3(nx2, rows), Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
   }
   return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
-                          dim3(nx1, t_max), Sh1::kThreads, smem1, "moe_gemm (down)",
+                          dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
                           moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
-                          Sh2::kThreads, smem2, g1, g2, stream);
+                          Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
 }
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
 int set_smem_attrs() {
   const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  static_assert(GemmShape<BT, W1, N1, NK1, K1, S1>::kSmemBytes <= kV6SmemAttr &&
-                GemmShape<BT, W2, N2, NK2, K2, S2>::kSmemBytes <= kV6SmemAttr);
+  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
+  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
-                           kV6SmemAttr) != cudaSuccess ||
+                           Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
-                           kV6SmemAttr) != cudaSuccess ||
+                           Sh2::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>, attr,
-                           kV6SmemAttr) != cudaSuccess ||
+                           Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>, attr,
-                           kV6SmemAttr) != cudaSuccess ||
+                           Sh2::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(
           moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, loop_mb<BT, N1 * NK1>()>, attr,
-          kV6SmemAttr) != cudaSuccess ||
+          Sh1::kSmemBytes) != cudaSuccess ||
       cudaFuncSetAttribute(
           moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, loop_mb<BT, N2 * NK2>()>, attr,
-          kV6SmemAttr) != cudaSuccess)
+          Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   return 0;
 }
@@ -1988,7 +1948,6 @@ long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int 
     for (int path : {6, 8}) {
       if (!g1_rows_for(bt, path)) continue;
       Plan p = make_plan(m, top_k, h, el, bt, path);
-      if (path == 6) p.nparts = h / min_g2_rows_v6(bt);
       Carve c = carve(nullptr, p, m, top_k, h, inter, el);
       if (c.bytes > best) best = c.bytes;
     }
@@ -2035,17 +1994,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     path = 6;
     p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
   }
-  const int routes = static_cast<int>(a.m * a.top_k);
-  int alt = path == 6 ? decode_alt_for(bt, routes, a.h, a.inter) : 0;
-#define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (alt == ID && bt != BT) alt = 0;
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
-#undef EXPERTD_ALT_MATCH
-  if (alt) p.nparts = a.h / alt_g2_rows(alt);
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter, a.el);
   if (static_cast<long long>(c.bytes) > a.workspace_bytes)
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const int routes = static_cast<int>(a.m * a.top_k);
 
   GemmArgs g1{};
   g1.codes = static_cast<const uint4*>(a.w13_codes);
@@ -2101,6 +2054,11 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   }
 
   int rc = 0;
+  int alt = path == 6 ? decode_alt_for(bt, routes, a.h, a.inter) : 0;
+#define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
+  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 6))) alt = 0;
+  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
+#undef EXPERTD_ALT_MATCH
   bool launched = false;
 #define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
   if (path == 8 && bt == BT) {                                                              \
