@@ -1725,14 +1725,19 @@ int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int sme
 // H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
 // from M = 2), 6 for calls of 17-64 routes (M = 3-8: t_max 27-72 rows for ~3-7 tiles; session 9,
 // with the loop kernel at the full grid's occupancy, 6 rows / full grid in two calls: M = 4 0.985
-// and 0.984, 8 0.984 and 0.989; M = 2 1.009, 16 1.069), t_max (one row per tile the call could
-// have) elsewhere.
+// and 0.984, 8 0.984 and 0.989; M = 2 1.009, 16 1.069), since session 11 (the aligned ring) 4
+// for calls of 9-32 routes (4 rows against 6 rows, calls 8 and 9 of session 11: M = 2 0.976 and
+// 0.977 (against the full grid, M = 2's default before: 0.978 and 0.979), M = 3 0.984, M = 4
+// 0.989 and 0.987; M = 8 1.007 and 0.997), 6 for 33-64 routes, t_max (one row per tile the
+// call could have) elsewhere.
 constexpr long long kCapRowsMaxRoutes = 8;
-constexpr long long kCap6MinRoutes = 17, kCap6MaxRoutes = 64;
+constexpr long long kCap4MaxRoutes = 32;
+constexpr long long kCap6MinRoutes = 33, kCap6MaxRoutes = 64;
 int grid_rows(int t_max, long long routes) {
   const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
   const int cap = (v && v[0]) ? atoi(v)
                   : routes <= kCapRowsMaxRoutes                           ? 2
+                  : routes <= kCap4MaxRoutes                              ? 4
                   : routes >= kCap6MinRoutes && routes <= kCap6MaxRoutes ? 6
                                                                           : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
