@@ -269,9 +269,17 @@ class CudaBackend:
             topk_ids.contiguous(),
             topk_weights.contiguous(),
         )
+        # The kernels move 16-byte chunks of x's rows and out's rows: a view that starts between
+        # them (a slice of a larger buffer) would fault the context. Such x is copied; such out
+        # gets the result through an aligned buffer.
+        if x.data_ptr() % 16:
+            x = x.clone()
+        dest = out
+        if out.data_ptr() % 16:
+            out = torch.empty_like(out)
         top_k = topk_ids.shape[1]
         if m == 0:
-            return out
+            return dest
         ws = self.reserve(state, m, top_k)
         args = _Args(
             x=x.data_ptr(),
@@ -299,7 +307,9 @@ class CudaBackend:
         )
         with torch.cuda.device(self.device):
             _check(self._lib, self._lib.expertd_moe_forward(ctypes.byref(args)), "moe forward")
-        return out
+        if dest is not out:
+            dest.copy_(out)
+        return dest
 
 
 class GraphedForward:

@@ -108,6 +108,28 @@ def test_forward_matches_reference(case, backend, path, m):
     _check(out, ref, f"{preset.name} M={m} v{path}")
 
 
+@pytest.mark.parametrize("m", [1, 37])
+def test_unaligned_views(case, backend, m):
+    """x and out as views that start 2 bytes into a buffer (not on the kernels' 16-byte chunks):
+    the same bits as aligned tensors, and the context survives (a later call still runs)."""
+    preset, _layer, state = case
+    h = preset.hidden_size
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + 70)
+    x = torch.randn((m, h), generator=torch.Generator().manual_seed(m + 71))
+    x = x.to(torch.bfloat16).cuda()
+    want = _run(backend, state, x, ids, w)
+    xbuf = torch.zeros(m * h + 1, dtype=torch.bfloat16, device="cuda")
+    x_view = xbuf[1:].view(m, h)
+    x_view.copy_(x)
+    obuf = torch.full((m * h + 1,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out_view = obuf[1:].view(m, h)
+    assert x_view.data_ptr() % 16 and out_view.data_ptr() % 16
+    backend.forward_into(state, x_view, ids, w, out_view)
+    torch.cuda.synchronize()
+    assert torch.equal(out_view, want), f"{preset.name} M {m}: unaligned views differ"
+    assert torch.equal(_run(backend, state, x, ids, w), want)
+
+
 @pytest.mark.parametrize(
     "path,bt",
     [(6, bt) for bt in (8, 16, 24, 32, 48, 64)]
