@@ -216,6 +216,13 @@ def main() -> int:
     ap.add_argument("--rings", default="", help="v8 rings 2 / 3 forced (EXPERTD_KERNEL_WG_RING)")
     ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
     ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
+    ap.add_argument(
+        "--sets",
+        type=int,
+        default=0,
+        help="input sets per M (0: 8 to M = 64, 4 above); at M = 1 the sets' mix of 0-3 hit "
+        "experts moves the mean (benchmarks/decode_cases.py weighs them by their probability)",
+    )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
@@ -254,7 +261,7 @@ def main() -> int:
     rows = []
     for m in ms:
         sets = []
-        for _ in range(n_sets := SETS if m > 64 else 2 * SETS):
+        for _ in range(n_sets := args.sets or (SETS if m > 64 else 2 * SETS)):
             ids, w = routes(m, gen)
             x = torch.randn((m, H), generator=gen, device="cuda").to(torch.bfloat16)
             sets.append((x, ids, w))
@@ -374,6 +381,7 @@ def main() -> int:
             "bt_us": bt_us,
             "bt_vs_default": bt_vs_default,
             "hit_experts": hit,
+            "hit_experts_per_set": hits,
             "local_routes": local_routes,
             "floor_us": floor * 1e6,
             "graph_us": t_graph * 1e6,
