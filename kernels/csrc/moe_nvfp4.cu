@@ -1722,16 +1722,17 @@ int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int sme
   return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
 }
 
-// v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap);
-// by default 2 for calls of <= 8 routes (M = 1 at top-8: t_max 9 rows of which ~1 is a tile;
-// H200, session 4, timed in alternating runs: 3% faster with 2 rows, 6% slower with 1, no gain
-// from M = 2), 6 for calls of 17-64 routes (M = 3-8: t_max 27-72 rows for ~3-7 tiles; session 9,
-// with the loop kernel at the full grid's occupancy, 6 rows / full grid in two calls: M = 4 0.985
-// and 0.984, 8 0.984 and 0.989; M = 2 1.009, 16 1.069), since session 11 (the aligned ring) 4
-// for calls of 9-32 routes (4 rows against 6 rows, calls 8 and 9 of session 11: M = 2 0.976 and
-// 0.977 (against the full grid, M = 2's default before: 0.978 and 0.979), M = 3 0.984, M = 4
-// 0.989 and 0.987; M = 8 1.007 and 0.997), 6 for 33-64 routes, t_max (one row per tile the
-// call could have) elsewhere.
+// v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap).
+// By default (H200, timed in alternating runs):
+//   <= 8 routes (M = 1 at top-8; t_max 9 rows of which ~1 is a tile): 2 rows. Session 4: 3%
+//     faster than the full grid, 6% slower with 1 row.
+//   9-32 routes (M = 2-4): 4 rows since session 11 (with the aligned ring). 4 rows against 6,
+//     calls 8 and 9: M = 2 0.976 and 0.977 (against the full grid, M = 2's default before:
+//     0.978 and 0.979), M = 3 0.984, M = 4 0.989 and 0.987.
+//   33-64 routes (M = 5-8; t_max 36-40 rows for ~5-7 tiles): 6 rows. Session 9, with the loop
+//     kernel at the full grid's occupancy, 6 rows / full grid: M = 8 0.984 and 0.989; 4 rows
+//     against 6 at M = 8 (session 11): 1.007 and 0.997.
+//   above: t_max (one row per tile the call could have; 6 rows at M = 16 measured 1.069).
 constexpr long long kCapRowsMaxRoutes = 8;
 constexpr long long kCap4MaxRoutes = 32;
 constexpr long long kCap6MinRoutes = 33, kCap6MaxRoutes = 64;
