@@ -30,22 +30,23 @@ import kernel as kb  # benchmarks/kernel.py: the layer, graphs, paired timing
 from expertd.kernels.cuda import CudaBackend
 
 
-def case_inputs(m: int, t: int, gen: torch.Generator):
-    """x, topk_ids, topk_weights for M tokens with T local routes on T distinct experts."""
+def case_inputs(m: int, t: int, gen: torch.Generator, device: str = "cuda"):
+    """x, topk_ids, topk_weights for M tokens with T local routes on T distinct experts (on
+    `device`, drawn with `gen`, a generator of that device)."""
     if not 0 <= t <= min(kb.TOP_K * m, kb.EL):
         raise SystemExit(f"case {m}:{t}: T must be in [0, min(8 M, 32)]")
     local = list(range(32, 32 + kb.EL))  # shard 1 of 8 (kb.gpu_layer)
     other = [e for e in range(kb.E) if e not in local]
-    picks = torch.randperm(len(local), generator=gen, device="cuda")[:t].tolist()
+    picks = torch.randperm(len(local), generator=gen, device=device)[:t].tolist()
     ids = torch.empty((m, kb.TOP_K), dtype=torch.int32)
     for tok in range(m):
-        foreign = torch.randperm(len(other), generator=gen, device="cuda")[: kb.TOP_K].tolist()
+        foreign = torch.randperm(len(other), generator=gen, device=device)[: kb.TOP_K].tolist()
         ids[tok] = torch.tensor([other[f] for f in foreign], dtype=torch.int32)
     for n in range(t):  # local route n: token n % M, slot n // M (distinct experts)
         ids[n % m, n // m] = local[picks[n]]
-    w = torch.rand((m, kb.TOP_K), generator=gen, device="cuda")
-    x = torch.randn((m, kb.H), generator=gen, device="cuda").to(torch.bfloat16)
-    return x, ids.cuda(), (w / w.sum(dim=1, keepdim=True)).float()
+    w = torch.rand((m, kb.TOP_K), generator=gen, device=device)
+    x = torch.randn((m, kb.H), generator=gen, device=device).to(torch.bfloat16)
+    return x, ids.to(device), (w / w.sum(dim=1, keepdim=True)).float()
 
 
 def m1_expectation(rows: list[dict], names: list[str]) -> dict | None:

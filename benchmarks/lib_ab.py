@@ -42,6 +42,17 @@ def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int
     return {int(r["M"]): float(r["graph_us"]) for r in rows}
 
 
+def pair_ratios(runs: list[tuple[int, str, dict[int, float]]], base: str) -> list[dict]:
+    """Each run of a library other than `base`, as time / base's time in the same round, per M."""
+    out = []
+    for rnd, name, us in runs:
+        if name == base:
+            continue
+        ref = next(u for r, n, u in runs if r == rnd and n == base)
+        out.append({"round": rnd, "lib": name, "ratio": {m: us[m] / ref[m] for m in sorted(ref)}})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -75,15 +86,16 @@ def main() -> None:
     print(f"\nratio to {base} in the same round (graph us; < 1 = faster than {base}):")
     ms = sorted(runs[0][2])
     print("lib     round " + " ".join(f"{m:>7d}" for m in ms))
-    summary = {"libs": dict(libs), "ms": ms, "runs": [], "ratios": []}
-    for rnd, name, us in runs:
-        summary["runs"].append({"round": rnd, "lib": name, "graph_us": us})
-        if name == base:
-            continue
-        ref = next(u for r, n, u in runs if r == rnd and n == base)
-        ratio = {m: us[m] / ref[m] for m in ms}
-        summary["ratios"].append({"round": rnd, "lib": name, "ratio": ratio})
-        print(f"{name:6s}  {rnd:5d} " + " ".join(f"{ratio[m]:7.3f}" for m in ms))
+    ratios = pair_ratios(runs, base)
+    for row in ratios:
+        r = row["ratio"]
+        print(f"{row['lib']:6s}  {row['round']:5d} " + " ".join(f"{r[m]:7.3f}" for m in ms))
+    summary = {
+        "libs": dict(libs),
+        "ms": ms,
+        "runs": [{"round": rnd, "lib": name, "graph_us": us} for rnd, name, us in runs],
+        "ratios": ratios,
+    }
     (out / "lib-ab.json").write_text(json.dumps(summary, indent=1))
 
 

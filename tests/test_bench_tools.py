@@ -1,0 +1,65 @@
+"""CPU tests of the benchmark helpers whose arithmetic decides kernel changes: the decode cases'
+inputs and routing weights (benchmarks/decode_cases.py) and the library A/B pairing
+(benchmarks/lib_ab.py)."""
+
+from __future__ import annotations
+
+import sys
+from math import comb
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_cases
+import lib_ab
+
+
+@pytest.mark.parametrize("m,t", [(1, 0), (1, 1), (1, 3), (1, 8), (2, 5), (4, 32)])
+def test_decode_case_hits_t_distinct_local_experts(m, t):
+    x, ids, w = decode_cases.case_inputs(m, t, torch.Generator().manual_seed(m * 10 + t), "cpu")
+    assert x.shape == (m, 4096) and x.dtype == torch.bfloat16
+    assert ids.shape == (m, 8) and w.shape == (m, 8)
+    for row in ids.tolist():
+        assert len(set(row)) == 8, "a token's 8 ids are distinct"
+    local = ids[(ids >= 32) & (ids < 64)]  # shard 1 of 8 owns experts 32-63
+    assert local.numel() == t and torch.unique(local).numel() == t
+    assert torch.allclose(w.sum(dim=1), torch.ones(m))
+
+
+def test_decode_case_rejects_impossible_hits():
+    with pytest.raises(SystemExit, match="T must be"):
+        decode_cases.case_inputs(1, 9, torch.Generator(), "cpu")
+
+
+def test_m1_expectation_weighs_by_top8_routing():
+    rows = [
+        {
+            "M": 1,
+            "local_experts_hit": t,
+            "graph_us": 10.0 + t,
+            "variants": {"v": {"graph_us": 20.0}},
+        }
+        for t in range(9)
+    ]
+    got = decode_cases.m1_expectation(rows, ["v"])
+    assert got["probability"] == pytest.approx(1.0)
+    p = [comb(32, t) * comb(224, 8 - t) / comb(256, 8) for t in range(9)]
+    assert p[0] == pytest.approx(0.3382, abs=1e-4)  # C(224, 8) / C(256, 8)
+    assert got["graph_us"]["default"] == pytest.approx(sum(pt * (10 + t) for t, pt in enumerate(p)))
+    assert got["graph_us"]["v"] == pytest.approx(20.0)
+    assert decode_cases.m1_expectation([{"M": 2, "local_experts_hit": 1}], []) is None
+
+
+def test_lib_ab_pairs_each_run_with_the_base_of_its_round():
+    runs = [
+        (0, "old", {1: 10.0, 4: 40.0}),
+        (0, "new", {1: 9.0, 4: 44.0}),
+        (1, "old", {1: 12.0, 4: 40.0}),
+        (1, "new", {1: 9.0, 4: 40.0}),
+    ]
+    got = lib_ab.pair_ratios(runs, "old")
+    assert [(r["round"], r["lib"]) for r in got] == [(0, "new"), (1, "new")]
+    assert got[0]["ratio"] == pytest.approx({1: 0.9, 4: 1.1})
+    assert got[1]["ratio"] == pytest.approx({1: 0.75, 4: 1.0})
