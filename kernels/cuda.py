@@ -269,6 +269,9 @@ class CudaBackend:
             topk_ids.contiguous(),
             topk_weights.contiguous(),
         )
+        top_k = topk_ids.shape[1]
+        if m == 0:
+            return out
         # The kernels move 16-byte chunks of x's rows and out's rows: a view that starts between
         # them (a slice of a larger buffer) would fault the context. Such x is copied; such out
         # gets the result through an aligned buffer.
@@ -277,9 +280,6 @@ class CudaBackend:
         dest = out
         if out.data_ptr() % 16:
             out = torch.empty_like(out)
-        top_k = topk_ids.shape[1]
-        if m == 0:
-            return dest
         ws = self.reserve(state, m, top_k)
         args = _Args(
             x=x.data_ptr(),

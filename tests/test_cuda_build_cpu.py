@@ -52,3 +52,17 @@ def test_timeline_build_is_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTD_KERNEL_TIMELINE", "1")
     assert build.build_key(str(fake_nvcc)) != plain
     assert "-DEXPERTD_TIMELINE" in build._ninja_file(str(fake_nvcc), tmp_path)
+
+
+def test_defines_build_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
+    """EXPERTD_KERNEL_DEFINES adds its -DEXPERTD_ macros (another cache key: a compile-time variant
+    for a library A/B lives beside the default) and refuses any other flag."""
+    monkeypatch.delenv("EXPERTD_KERNEL_DEFINES", raising=False)
+    plain = build.build_key(str(fake_nvcc))
+    monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-DEXPERTD_A=1 -DEXPERTD_B=2")
+    assert build.build_key(str(fake_nvcc)) != plain
+    text = build._ninja_file(str(fake_nvcc), tmp_path)
+    assert "-DEXPERTD_A=1" in text and "-DEXPERTD_B=2" in text
+    monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-O0")
+    with pytest.raises(ValueError, match="-DEXPERTD_"):
+        build.nvcc_flags()

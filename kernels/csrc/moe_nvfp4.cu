@@ -1735,14 +1735,14 @@ int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int sme
 //   above: t_max (one row per tile the call could have; 6 rows at M = 16 measured 1.069).
 constexpr long long kCapRowsMaxRoutes = 8;
 constexpr long long kCap4MaxRoutes = 32;
-constexpr long long kCap6MinRoutes = 33, kCap6MaxRoutes = 64;
+constexpr long long kCap6MaxRoutes = 64;
 int grid_rows(int t_max, long long routes) {
   const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
   const int cap = (v && v[0]) ? atoi(v)
-                  : routes <= kCapRowsMaxRoutes                           ? 2
-                  : routes <= kCap4MaxRoutes                              ? 4
-                  : routes >= kCap6MinRoutes && routes <= kCap6MaxRoutes ? 6
-                                                                          : 0;
+                  : routes <= kCapRowsMaxRoutes ? 2
+                  : routes <= kCap4MaxRoutes    ? 4
+                  : routes <= kCap6MaxRoutes    ? 6
+                                                : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
 }
 // Blocks per SM asked of ptxas for the loop kernel of calls above kCapRowsMaxRoutes: the full
