@@ -42,6 +42,17 @@ def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int
     return {int(r["M"]): float(r["graph_us"]) for r in rows}
 
 
+def parse_env(spec: str) -> dict[str, str]:
+    """'K=V,K=V' as a dict; a part without '=' is an error."""
+    out = {}
+    for kv in filter(None, spec.split(",")):
+        key, sep, val = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected K=V, got {kv!r}")
+        out[key] = val
+    return out
+
+
 def pair_ratios(runs: list[tuple[int, str, dict[int, float]]], base: str) -> list[dict]:
     """Each run of a library other than `base`, as time / base's time in the same round, per M."""
     out = []
@@ -62,6 +73,13 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,16,64,256,1024,4096")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/lib-ab"))
     ap.add_argument("--env", default="", help="kernel switches for every run, K=V,K=V")
+    ap.add_argument(
+        "--lib-env",
+        action="append",
+        default=[],
+        help="NAME=K=V,K=V: switches for one library's runs only (the same path may be given "
+        "twice under two names, once with a switch)",
+    )
     args = ap.parse_args()
 
     libs = []
@@ -70,12 +88,19 @@ def main() -> None:
         if not sep or not Path(path).is_file():
             raise SystemExit(f"--lib {spec!r}: expected NAME=path to an existing library")
         libs.append((name, path))
-    env_extra = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+    env_extra = parse_env(args.env)
+    lib_env = {}
+    for spec in args.lib_env:
+        name, sep, kvs = spec.partition("=")
+        if not sep or name not in dict(libs):
+            raise SystemExit(f"--lib-env {spec!r}: expected NAME=K=V,... for a NAME given to --lib")
+        lib_env[name] = parse_env(kvs)
     out = Path(args.out)
     runs: list[tuple[int, str, dict[int, float]]] = []
     for rnd in range(args.rounds):
         for name, path in libs:
-            us = run_one(path, args.ms, out / f"r{rnd}-{name}", env_extra)
+            env = {**env_extra, **lib_env.get(name, {})}
+            us = run_one(path, args.ms, out / f"r{rnd}-{name}", env)
             runs.append((rnd, name, us))
             print(
                 f"== {name:6s} " + " | ".join(f"{m} {t:.1f}" for m, t in sorted(us.items())),
@@ -92,6 +117,8 @@ def main() -> None:
         print(f"{row['lib']:6s}  {row['round']:5d} " + " ".join(f"{r[m]:7.3f}" for m in ms))
     summary = {
         "libs": dict(libs),
+        "lib_env": lib_env,
+        "env": env_extra,
         "ms": ms,
         "runs": [{"round": rnd, "lib": name, "graph_us": us} for rnd, name, us in runs],
         "ratios": ratios,

@@ -63,3 +63,10 @@ def test_lib_ab_pairs_each_run_with_the_base_of_its_round():
     assert [(r["round"], r["lib"]) for r in got] == [(0, "new"), (1, "new")]
     assert got[0]["ratio"] == pytest.approx({1: 0.9, 4: 1.1})
     assert got[1]["ratio"] == pytest.approx({1: 0.75, 4: 1.0})
+
+
+def test_lib_ab_parse_env_reads_switches_and_refuses_a_bare_word():
+    assert lib_ab.parse_env("") == {}
+    assert lib_ab.parse_env("A=1,B_C=x=y") == {"A": "1", "B_C": "x=y"}
+    with pytest.raises(SystemExit, match="expected K=V"):
+        lib_ab.parse_env("A=1,oops")
