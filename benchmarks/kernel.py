@@ -6,7 +6,7 @@ Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under 
     python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--quick]
 
 Timings: median over repetitions of (time of N back-to-back calls) / N, CUDA events, after
-warm-up, cycling over 4 input sets. `graph` = CUDA-graph replay (one graph per input set),
+warm-up, cycling over input sets (default_sets: 32 at M <= 2, 8 to M = 64, 4 above). `graph` = CUDA-graph replay (one graph per input set),
 `eager` = Python call per forward. Baseline = weights dequantized to bf16 once, then per hit
 expert torch matmuls (index by expert with host syncs), eager.
 """
@@ -33,6 +33,17 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
+
+
+def default_sets(m: int) -> int:
+    """Input sets per M. A call of M <= 2 hits 0-5 local experts and its time moves ~2x with
+    that count, so it gets 32 sets: their mix follows top-8 routing's (M = 1: P(0-3 hits) =
+    0.34 / 0.41 / 0.20 / 0.05) where 8 sets drift (session 12: alt 14 read 1.011 of the default
+    on 8 sets, 0.975 on 32 and 0.966 routing-weighted). 8 to M = 64, 4 above (since session 12;
+    8 at M <= 2 before)."""
+    return 8 * SETS if m <= 2 else 2 * SETS if m <= 64 else SETS
+
+
 BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
 WG_BTS = (16, 32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
 
@@ -220,8 +231,9 @@ def main() -> int:
         "--sets",
         type=int,
         default=0,
-        help="input sets per M (0: 8 to M = 64, 4 above); at M = 1 the sets' mix of 0-3 hit "
-        "experts moves the mean (benchmarks/decode_cases.py weighs them by their probability)",
+        help="input sets per M (0: default_sets, 32 at M <= 2, 8 to M = 64, 4 above); at M = 1 "
+        "the sets' mix of 0-3 hit experts moves the mean (benchmarks/decode_cases.py weighs them "
+        "by their probability)",
     )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -254,14 +266,15 @@ def main() -> int:
         "preset": "muse-spark",
         "local_experts": EL,
         "expert_bytes": expert_bytes,
-        "timing": "median of reps x (N back-to-back calls)/N, CUDA events, 4 rotating input sets",
+        "timing": "median of reps x (N back-to-back calls)/N, CUDA events, rotating input sets "
+        "(32 at M <= 2, 8 to M = 64, 4 above: see hit_experts_per_set)",
         "rows": [],
     }
     stem = f"kernel-{args.kind}-{date}"
     rows = []
     for m in ms:
         sets = []
-        for _ in range(n_sets := args.sets or (SETS if m > 64 else 2 * SETS)):
+        for _ in range(n_sets := args.sets or default_sets(m)):
             ids, w = routes(m, gen)
             x = torch.randn((m, H), generator=gen, device="cuda").to(torch.bfloat16)
             sets.append((x, ids, w))
