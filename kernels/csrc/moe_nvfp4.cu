@@ -1930,8 +1930,13 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // every M: BT = 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32
 // before BT 32 trimmed its tiles, M = 384 0.95x of the trimmed BT 32; the wgmma half as wide
 // where the tiles hold ~4-12 routes; at M = 512 1.19x: many experts need two tiles, each
-// dequantizing the weights again), BT = 32 to lambda = 20 (M = 512-640), 48 at lambda = 32 (M =
-// 1024). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
+// dequantizing the weights again), BT = 32 to lambda = 27 (M = 864), 48 to lambda = 36 (M =
+// 1152), 64 to lambda = 58 (M = 1856). Session 12 (`-s12-bt32-48*.json`, `-s12-bt48-64-96.json`;
+// the bounds were 20 for 32 and 45 for 48, and 64 was never picked): BT 32 / 48 at M = 704 0.857,
+// 768 0.884-0.900, 832 0.942, 896 1.008, 960 1.043, 1024 1.233 (BT 32's 16 k-steps per stage
+// beat BT 48's 8 until a quarter of the experts need a second tile); BT 64 / the old pick at
+// M = 1152 0.994 (48), 1280 0.951 (48), 1408 0.892 (48), 1536 0.883 (96), 1792 0.973 (96); 2048:
+// 1.22 (session 7). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
 // one that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
 // on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
 // 160 at 128 (one tile where 128 needs two for half the experts: 0.84x), 144 at 256-512
@@ -1940,8 +1945,9 @@ int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 4) return 8;
   if (lambda <= 12) return 16;
-  if (lambda <= 20) return 32;
-  if (lambda <= 45) return 48;
+  if (lambda <= 27) return 32;
+  if (lambda <= 36) return 48;
+  if (lambda <= 58) return 64;
   const double busy = lambda + 2.0 * sqrt(lambda);
   int best = 0;
   long long best_tiles = 0;
