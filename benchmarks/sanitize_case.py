@@ -1,7 +1,7 @@
 """A small forward for compute-sanitizer (memcheck / racecheck / initcheck): preset `small`, a
 shard of 16 experts, a few token counts and every compiled tile size; then a layer whose H and I
-are multiples of 512, where BT 8 calls run the decode alternatives (13 below 128 routes, on a
-grid of 2 rows at M = 1; 18 from 128 routes). Exits non-zero on a wrong result.
+are multiples of 512, where BT 8 calls run the decode alternatives (28 at M = 1, on a grid of 2
+rows; 13 below 128 routes; 18 from 128 routes). Exits non-zero on a wrong result.
 Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
 
 from __future__ import annotations

@@ -199,9 +199,9 @@ def test_default_path_by_tile_size(backend, monkeypatch):
 
 
 # Decode alternatives (moe_nvfp4.cu): id -> (tile size, GEMM1's and GEMM2's k per stage, the
-# alternative whose bits it must reproduce: 7, 12, 13 and 14 sum the k-groups of each warp in the
-# table's order, 15 in 11's). The defaults where H and I are multiples of 512: 13 / 18 for BT 8
-# calls (< 128 routes / more), 12 for BT 16.
+# alternative whose bits it must reproduce: 7, 12, 13, 14 and 28 sum the k-groups of each warp in
+# the table's order, 15 in 11's). The defaults where H and I are multiples of 512: 28 / 13 / 18 for
+# BT 8 calls (<= 8 routes / < 128 / more), 12 for BT 16.
 DECODE_ALTS = {
     6: (8, 512, 512, None),
     7: (8, 512, 512, 0),
@@ -211,6 +211,7 @@ DECODE_ALTS = {
     14: (8, 512, 512, 0),
     15: (8, 512, 512, 11),
     18: (8, 256, 512, None),
+    28: (8, 512, 512, 0),
 }
 
 

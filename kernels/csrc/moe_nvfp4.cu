@@ -164,8 +164,12 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //   18 |  8 |        1  2  2  4  3 |        1  2  2  8  3 | 15 with GEMM1 stages half as deep in k
 //      |    |                      |                      |   (27 KB, 50 registers: 8 blocks of 4
 //      |    |                      |                      |   warps per SM where 15 has 4)
+//   28 |  8 |        1  1  4  8  4 |        1  2  4  8  3 | 14 with GEMM1 one stage deeper (52 KB,
+//      |    |                      |                      |   4 blocks per SM: M = 1's 512 GEMM1
+//      |    |                      |                      |   blocks still in one wave)
 // Picked by default (decode_alt_for; H200, NOTES.md, sessions 8-12, timed in alternating runs):
-// 14 for calls of <= 8 routes (session 12: 0.975 of 13 at M = 1 over 32 input sets), 13 for BT
+// 28 for calls of <= 8 routes (session 12, M = 1 over 32 input sets: 14 0.975 of 13, then 28
+// 0.984 of 14 in one call and 25 (28 with GEMM2 6 stages) 0.979 / 0.982 in two), 13 for BT
 // 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16
 // routes and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 18
 // from 128 routes (session 9 against 15: M = 16 0.984, 32 0.967, 64 0.958; 1.01-1.11 below 128
@@ -190,7 +194,8 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(13, 8, 1, 2, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(14, 8, 1, 1, 4, 8, 3, 1, 2, 4, 8, 3)  \
   X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)  \
-  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)
+  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)  \
+  X(28, 8, 1, 1, 4, 8, 4, 1, 2, 4, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -1699,14 +1704,16 @@ int fin_threads_for(int h) {
 
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
 // where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
-// calls 14 up to kAlt14MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced (the table's sum
+// calls 28 up to kAlt28MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced (the table's sum
 // order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12 for BT 16
 // (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for the
 // measurements.
-// 14 (16-row GEMM1 blocks) at <= 8 routes (M = 1), session 12 on 32 input sets (the top-8 mix
-// of 0-4 hit experts): 0.975 of 13; routing-weighted from M:T cases (session 11) 0.966 (T = 1-2
-// 0.94-0.95, T = 0 and 3 1.04). From M = 3 it is 7-12% slower (session 8).
-constexpr long long kAlt14MaxRoutes = 8;
+// 28 (14's 16-row GEMM1 blocks, one stage deeper) at <= 8 routes (M = 1), session 12 on 32
+// input sets (the top-8 mix of 0-4 hit experts): 14 0.975 of 13 (routing-weighted from M:T
+// cases, session 11: 0.966), 28 0.984 of 14. At M = 2-8 both are slower: 14 1.01-1.02 (and 7-12%
+// from M = 3, session 8), 28 1.04-1.09, 13 one stage deeper (29) 1.02-1.04; GEMM2 6 stages deep
+// (25-27) 1.00 at M = 1, 1.04-1.12 at M = 2-8 (session 12, calls 9-10; alternatives removed).
+constexpr long long kAlt28MaxRoutes = 8;
 constexpr long long kAlt18MinRoutes = 128;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
   const int forced = decode_alt();
@@ -1715,7 +1722,7 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   if (bt == 16) return 12;
   if (bt != 8) return 0;
   if (forced_path() != 0) return 7;
-  if (routes <= kAlt14MaxRoutes) return 14;
+  if (routes <= kAlt28MaxRoutes) return 28;
   return routes >= kAlt18MinRoutes ? 18 : 13;
 }
 
