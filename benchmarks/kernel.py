@@ -6,9 +6,10 @@ Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under 
     python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--quick]
 
 Timings: median over repetitions of (time of N back-to-back calls) / N, CUDA events, after
-warm-up, cycling over input sets (default_sets: 32 at M <= 2, 8 to M = 64, 4 above). `graph` = CUDA-graph replay (one graph per input set),
-`eager` = Python call per forward. Baseline = weights dequantized to bf16 once, then per hit
-expert torch matmuls (index by expert with host syncs), eager.
+warm-up, cycling over input sets (default_sets: 32 at M <= 2, 8 to M = 64, 4 above). `graph` =
+CUDA-graph replay (one graph per input set), `eager` = Python call per forward. Baseline =
+weights dequantized to bf16 once, then per hit expert torch matmuls (index by expert with host
+syncs), eager.
 """
 
 from __future__ import annotations

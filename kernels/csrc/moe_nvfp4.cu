@@ -1703,11 +1703,11 @@ int fin_threads_for(int h) {
 }
 
 // The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
-// where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8
-// calls 28 up to kAlt28MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced (the table's sum
-// order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit); 12 for BT 16
-// (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for the
-// measurements.
+// where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8 calls
+// 28 up to kAlt28MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced
+// (the table's sum order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit);
+// 12 for BT 16 (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for
+// the measurements.
 // 28 (14's 16-row GEMM1 blocks, one stage deeper) at <= 8 routes (M = 1), session 12 on 32
 // input sets (the top-8 mix of 0-4 hit experts): 14 0.975 of 13 (routing-weighted from M:T
 // cases, session 11: 0.966), 28 0.984 of 14. At M = 2-8 both are slower: 14 1.01-1.02 (and 7-12%
@@ -1930,24 +1930,24 @@ int expertd_set_timeline(void* buf) {
 // one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
 int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 
-// Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured
-// on an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*):
-// v6's BT = 8 wins to lambda = 4 (M = 128; session 9 with decode alternative 18, against v8's BT
-// 16: M = 96 0.925, 128 0.959, 192 1.084, `-s9-bt8.json`); above, the wgmma GEMM (v8) wins at
-// every M: BT = 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32
-// before BT 32 trimmed its tiles, M = 384 0.95x of the trimmed BT 32; the wgmma half as wide
-// where the tiles hold ~4-12 routes; at M = 512 1.19x: many experts need two tiles, each
-// dequantizing the weights again), BT = 32 to lambda = 27 (M = 864), 48 to lambda = 36 (M =
-// 1152), 64 to lambda = 58 (M = 1856). Session 12 (`-s12-bt32-48*.json`, `-s12-bt48-64-96.json`;
-// the bounds were 20 for 32 and 45 for 48, and 64 was never picked): BT 32 / 48 at M = 704 0.857,
-// 768 0.884-0.900, 832 0.942, 896 1.008, 960 1.043, 1024 1.233 (BT 32's 16 k-steps per stage
-// beat BT 48's 8 until a quarter of the experts need a second tile); BT 64 / the old pick at
-// M = 1152 0.994 (48), 1280 0.951 (48), 1408 0.892 (48), 1536 0.883 (96), 1792 0.973 (96); 2048:
-// 1.22 (session 7). Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the
-// one that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
-// on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
-// 160 at 128 (one tile where 128 needs two for half the experts: 0.84x), 144 at 256-512
-// (0.93-0.98x of 128; session 5 sweep, results/kernel-nvidia-h200-2026-11-29-s5-btwide.json).
+// Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured on
+// an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*): v6's
+// BT = 8 wins to lambda = 4 (M = 128; session 9 with decode alternative 18, against v8's BT 16: M =
+// 96 0.925, 128 0.959, 192 1.084, `-s9-bt8.json`); above, the wgmma GEMM (v8) wins at every M: BT =
+// 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32 before BT 32 trimmed its tiles, M = 384
+// 0.95x of the trimmed BT 32; the wgmma half as wide where the tiles hold ~4-12 routes; at M = 512
+// 1.19x: many experts need two tiles, each dequantizing the weights again), BT = 32 to lambda = 27
+// (M = 864), 48 to lambda = 36 (M = 1152), 64 to lambda = 58 (M = 1856). Session 12
+// (`-s12-bt32-48*.json`, `-s12-bt48-64-96.json`; the bounds were 20 for 32 and 45 for 48, and 64
+// was never picked): BT 32 / 48 at M = 704 0.857, 768 0.884-0.900, 832 0.942, 896 1.008, 960 1.043,
+// 1024 1.233 (BT 32's 16 k-steps per stage beat BT 48's 8 until a quarter of the experts need a
+// second tile); BT 64 / the old pick at M = 1152 0.994 (48), 1280 0.951 (48), 1408 0.892 (48), 1536
+// 0.883 (96), 1792 0.973 (96); 2048: 1.10 (1.22 in session 7). Above, every extra tile of an expert
+// re-dequantizes all its weights, so the tile is the one that holds a busy expert (lambda + 2
+// sqrt(lambda) routes) in the fewest tiles, the smaller on a tie (larger tiles run each tile a few
+// % slower): 96 to lambda ~ 70, 128 at 96 and 192, 160 at 128 (one tile where 128 needs two for
+// half the experts: 0.84x), 144 at 256-512 (0.93-0.98x of 128; session 5 sweep, results/kernel-
+// nvidia-h200-2026-11-29-s5-btwide.json).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 4) return 8;
