@@ -35,7 +35,7 @@ def case_inputs(m: int, t: int, gen: torch.Generator, device: str = "cuda"):
     `device`, drawn with `gen`, a generator of that device)."""
     if not 0 <= t <= min(kb.TOP_K * m, kb.EL):
         raise SystemExit(f"case {m}:{t}: T must be in [0, min(8 M, 32)]")
-    local = list(range(32, 32 + kb.EL))  # shard 1 of 8 (kb.gpu_layer)
+    local = list(kb.LOCAL_EXPERTS)
     other = [e for e in range(kb.E) if e not in local]
     picks = torch.randperm(len(local), generator=gen, device=device)[:t].tolist()
     ids = torch.empty((m, kb.TOP_K), dtype=torch.int32)

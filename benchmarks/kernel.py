@@ -34,6 +34,7 @@ from expertd.kernels.reference import RMS_EPS, relative_error
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
 SETS = 4
+LOCAL_EXPERTS = tuple(range(32, 32 + EL))  # the benchmark's shard: 1 of 8
 
 
 def default_sets(m: int) -> int:
@@ -67,10 +68,9 @@ def gpu_layer(seed: int = 0) -> ShardLayer:
             torch.stack([p.weight_scale_2 for p in parts]),
         )
 
-    experts = tuple(range(32, 32 + EL))  # shard 1 of 8
     norm = (torch.randn(H, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
     return ShardLayer(
-        experts, E, proj(INTER, H, 1.0), proj(INTER, H, 2.5), proj(H, INTER, 1.0), norm
+        LOCAL_EXPERTS, E, proj(INTER, H, 1.0), proj(INTER, H, 2.5), proj(H, INTER, 1.0), norm
     )
 
 
@@ -136,8 +136,15 @@ def time_vs(base, other, n_sets: int, calls: int, reps: int) -> tuple[float, flo
 
 
 def parse_env(spec: str) -> dict[str, str]:
-    """'K=V,K=V' (kernel switches on the command line) -> {K: V}."""
-    return dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    """'K=V,K=V' (kernel switches on the command line) -> {K: V}; a part without '=' is an
+    error."""
+    out = {}
+    for kv in filter(None, spec.split(",")):
+        key, sep, val = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected K=V, got {kv!r}")
+        out[key] = val
+    return out
 
 
 @contextlib.contextmanager

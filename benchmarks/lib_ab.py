@@ -20,6 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel import parse_env  # benchmarks/kernel.py: the K=V,K=V switches of its --variant
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,17 +43,6 @@ def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int
         raise SystemExit(f"kernel.py wrote no results file under {out}")
     rows = json.loads(files[-1].read_text())["rows"]
     return {int(r["M"]): float(r["graph_us"]) for r in rows}
-
-
-def parse_env(spec: str) -> dict[str, str]:
-    """'K=V,K=V' as a dict; a part without '=' is an error."""
-    out = {}
-    for kv in filter(None, spec.split(",")):
-        key, sep, val = kv.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected K=V, got {kv!r}")
-        out[key] = val
-    return out
 
 
 def pair_ratios(runs: list[tuple[int, str, dict[int, float]]], base: str) -> list[dict]:

@@ -1707,12 +1707,7 @@ int fin_threads_for(int h) {
 // 28 up to kAlt28MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced
 // (the table's sum order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit);
 // 12 for BT 16 (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for
-// the measurements.
-// 28 (14's 16-row GEMM1 blocks, one stage deeper) at <= 8 routes (M = 1), session 12 on 32
-// input sets (the top-8 mix of 0-4 hit experts): 14 0.975 of 13 (routing-weighted from M:T
-// cases, session 11: 0.966), 28 0.984 of 14. At M = 2-8 both are slower: 14 1.01-1.02 (and 7-12%
-// from M = 3, session 8), 28 1.04-1.09, 13 one stage deeper (29) 1.02-1.04; GEMM2 6 stages deep
-// (25-27) 1.00 at M = 1, 1.04-1.12 at M = 2-8 (session 12, calls 9-10; alternatives removed).
+// the measurements (28 at M = 2-8: 1.04-1.09; GEMM2 6 stages deep, 1.00 at M = 1: removed).
 constexpr long long kAlt28MaxRoutes = 8;
 constexpr long long kAlt18MinRoutes = 128;
 int decode_alt_for(int bt, long long routes, int h, int inter) {
