@@ -343,6 +343,36 @@ def test_route_multiblock_bit_identical(case, backend, monkeypatch, m, bt):
         assert torch.equal(got, want), f"{preset.name} M={m} BT {bt}: multi-block routing differs"
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_self_route_bit_identical(case, backend, monkeypatch, m):
+    """Calls of <= 64 routes on <= 32 local experts: GEMM1 routes the call itself (no route_kernel;
+    EXPERTD_KERNEL_SELF_ROUTE=0 launches it) and computes the same bits, with a busy expert, one
+    expert taking two routes of a token (more than BT = 8 routes at M = 8: two tiles), ids that
+    are -1 or out of range, and a call with no local route between two calls that have some."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + 41)
+    ids[:, 0] = int(layer.experts[0])
+    ids[:, 1] = int(layer.experts[0])  # the same expert twice in a token: 2 M routes on it
+    ids[0, 2] = int(layer.experts[-1])
+    ids[-1, 3] = preset.num_experts + 5  # out of range: not local
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 3))
+    x = x.to(torch.bfloat16).cuda()
+    foreign = torch.tensor(
+        [[e for e in range(preset.num_experts) if e not in set(layer.experts)][: preset.top_k]] * m,
+        dtype=torch.int32,
+        device="cuda",
+    )
+    monkeypatch.setenv("EXPERTD_KERNEL_SELF_ROUTE", "0")
+    want = _run(backend, state, x, ids, w)
+    assert not _run(backend, state, x, foreign, w).any()
+    monkeypatch.delenv("EXPERTD_KERNEL_SELF_ROUTE")
+    for _ in range(2):
+        got = _run(backend, state, x, ids, w)
+        assert torch.equal(got, want), f"{preset.name} M={m}: self-routed GEMM1 differs"
+        assert not _run(backend, state, x, foreign, w).any(), "no local route must give zeros"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} self-routed")
+
+
 @pytest.mark.parametrize("rows", [1, 2, 6])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
     """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; by default 2 at <= 8

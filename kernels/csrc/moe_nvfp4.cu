@@ -769,12 +769,16 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // moe_gemm_kernel (grid = n-blocks x tiles) and in a loop over tiles by moe_gemm_loop_kernel.
 // Returns with the block's shared memory still in use by the epilogue of some warps: the
 // caller's __syncthreads separates two items.
-template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
-__device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb) {
+// SELF: the call's routing comes from the caller's shared memory (self_tile_e, self_sorted: see
+// moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false>
+__device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
+                                          const int* self_tile_e = nullptr,
+                                          const int* self_sorted = nullptr) {
   using S = GemmShape<BT, WM, NW, NK, KG, ST>;
   constexpr int NT = BT / 8;  // n-tiles
   constexpr int T = S::kThreads;
-  const int e = a.tile_expert[tile];
+  const int e = SELF ? self_tile_e[tile] : a.tile_expert[tile];
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -814,7 +818,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
     if constexpr (GATED) {
-      const int r = a.sorted_route[pos];
+      const int r = SELF ? self_sorted[pos] : a.sorted_route[pos];
       row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
     } else {
       row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
@@ -954,6 +958,115 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
     gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x);
   }
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
+}
+
+// Small calls route themselves (session 13): for calls of at most kSelfMaxRoutes routes on a shard
+// of at most 32 experts at BT 8 (M <= 8 at top-8; the v6 loop kernels), route_kernel is not
+// launched. Each GEMM1 block's first warp computes the whole routing from topk_ids (two routes per
+// lane: a handful of shuffles) into shared memory, so GEMM1 no longer waits for a one-block kernel
+// (~3 us at M = 1 in the timelines of sessions 11-12, routing 8 routes) and its blocks read no
+// index from global memory; block (0, 0) also writes route_kernel's tables (num_tiles,
+// tile_expert, sorted_route, pos_of_route) for GEMM2 and finalize, which read them after their
+// waits as before. The positions are route_kernel's (each expert's routes padded to whole tiles,
+// experts in local order), an expert's routes in route order (route_kernel's order inside an
+// expert follows its shared-memory atomics; a route's output depends on its own row only, so the
+// bits are the same: tests/test_cuda_kernels.py). H200, session 13 call 1 (library A/B, the same
+// library with EXPERTD_KERNEL_SELF_ROUTE=0 and main; 32 input sets at M <= 2): self-routed / main
+// M = 1 0.944 and 0.950 (-1.1 us), 2 0.962 / 0.965, 4 0.965 / 0.978, 8 0.989 / 1.000.
+constexpr int kSelfMaxRoutes = 64;
+constexpr int kSelfMaxExperts = 32;  // one lane per local expert
+struct SelfRoute {
+  const int* topk_ids;
+  const int* local_of;
+  int* num_tiles;
+  int* tile_expert;
+  int* sorted_route;
+  int* pos_of_route;
+  int routes;
+  int num_experts;
+  int el;
+};
+
+// One warp (lane = threadIdx.x < 32) routes the call: tile_e[t], the local expert of tile t;
+// sorted[p], the route at position p (-1: padding) for p < the returned tile count * BT; cnt: 32
+// ints of scratch. Lanes take routes lane and lane + 32; p0 / p1 their positions (-1: not local).
+template <int BT>
+__device__ __forceinline__ int self_route(const SelfRoute& s, const int lane, int* cnt,
+                                          int* tile_e, int* sorted, int& p0, int& p1) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int r0 = lane, r1 = lane + 32;
+  const int e0 = r0 < s.routes ? local_expert(s.topk_ids, s.local_of, r0, s.num_experts, s.el) : -1;
+  const int e1 = r1 < s.routes ? local_expert(s.topk_ids, s.local_of, r1, s.num_experts, s.el) : -1;
+  cnt[lane] = 0;
+  const unsigned lt = (1u << lane) - 1;
+  const unsigned peers0 = __match_any_sync(kAll, e0), peers1 = __match_any_sync(kAll, e1);
+  const int rank0 = __popc(peers0 & lt), before1 = __popc(peers1 & lt);
+  __syncwarp();
+  if (e0 >= 0 && rank0 == 0) cnt[e0] = __popc(peers0);  // one leader per expert
+  __syncwarp();
+  const int rank1 = (e1 >= 0 ? cnt[e1] : 0) + before1;  // after the expert's first-half routes
+  __syncwarp();
+  if (e1 >= 0 && before1 == 0) cnt[e1] += __popc(peers1);
+  __syncwarp();
+  const int padded = (cnt[lane] + BT - 1) / BT * BT;  // lane = local expert
+  int incl = padded;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kAll, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const int off = incl - padded;
+  const int total = __shfl_sync(kAll, incl, 31);
+  const int off0 = __shfl_sync(kAll, off, e0 & 31), off1 = __shfl_sync(kAll, off, e1 & 31);
+  p0 = e0 >= 0 ? off0 + rank0 : -1;
+  p1 = e1 >= 0 ? off1 + rank1 : -1;
+  for (int t = off / BT; t < incl / BT; ++t) tile_e[t] = lane;
+  for (int p = lane; p < total; p += 32) sorted[p] = -1;
+  __syncwarp();
+  if (p0 >= 0) sorted[p0] = r0;
+  if (p1 >= 0) sorted[p1] = r1;
+  __syncwarp();
+  return total / BT;
+}
+
+// GEMM1 (gate / up) of a small call on a v6 loop grid, routing itself (above); otherwise
+// moe_gemm_loop_kernel<GATED>. Block (0, 0) carries the timeline's "route" record (kernel 0:
+// entry, wait, routed, tables written).
+template <int BT, int WM, int NW, int NK, int KG, int ST, int MB>
+__global__ void __launch_bounds__(NW * NK * 32, MB)
+    moe_gemm_self_kernel(const GemmArgs a, const SelfRoute s) {
+  constexpr int kMaxTiles = kSelfMaxRoutes / BT + kSelfMaxExperts;  // t_max's bound
+  __shared__ int cnt[32];
+  __shared__ int tile_e[kMaxTiles + 1];  // + the tile count
+  __shared__ int sorted[kMaxTiles * BT];
+  const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+  tl_mark(1, 0);
+  if (first) tl_mark(0, 0);
+  pdl_wait();  // the previous kernel on the stream (the last call's finalize reads pos_of_route)
+  tl_mark(1, 1);
+  if (first) tl_mark(0, 1);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int p0, p1;
+    const int nt = self_route<BT>(s, lane, cnt, tile_e, sorted, p0, p1);
+    if (lane == 0) tile_e[kMaxTiles] = nt;
+    if (first) {
+      tl_mark(0, 2);
+      if (lane == 0) *s.num_tiles = nt;
+      for (int t = lane; t < nt; t += 32) s.tile_expert[t] = tile_e[t];
+      for (int p = lane; p < nt * BT; p += 32) s.sorted_route[p] = sorted[p];
+      if (lane < s.routes) s.pos_of_route[lane] = p0;
+      if (lane + 32 < s.routes) s.pos_of_route[lane + 32] = p1;
+      tl_mark(0, 3);
+    }
+  }
+  __syncthreads();
+  const int num_tiles = tile_e[kMaxTiles];
+  for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
+    if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
+    gemm_tile<BT, WM, NW, NK, KG, ST, true, true>(a, tile, blockIdx.x, tile_e, sorted);
+  }
+  if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(1);
 }
 
 // ------------------------------------ v8: warpgroup MMA --------------------------------------
@@ -1721,6 +1834,16 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   return routes >= kAlt18MinRoutes ? 18 : 13;
 }
 
+// Whether GEMM1 routes the call itself (moe_gemm_self_kernel; EXPERTD_KERNEL_SELF_ROUTE=0: never):
+// v6 at BT 8 on a capped grid (grid_rows), at most kSelfMaxRoutes routes, at most 32 local experts.
+int grid_rows(int t_max, long long routes);
+bool use_self_route(int path, int bt, long long routes, int el, int t_max) {
+  const char* v = getenv("EXPERTD_KERNEL_SELF_ROUTE");
+  if (v && v[0] == '0') return false;
+  return path == 6 && bt == 8 && routes <= kSelfMaxRoutes && el <= kSelfMaxExperts &&
+         grid_rows(t_max, routes) < t_max;
+}
+
 // The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
 template <typename K1, typename K2>
 int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
@@ -1763,7 +1886,7 @@ constexpr int loop_mb() {
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
 int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long routes, int h,
-                 int inter, cudaStream_t stream) {
+                 int inter, cudaStream_t stream, const SelfRoute* self) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
@@ -1777,6 +1900,22 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
   if (rows < t_max) {
     const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
+    if constexpr (BT == 8) {
+      if (self) {  // GEMM1 routes the call (use_self_route)
+        const dim3 grid1(nx1, rows);
+        if (int rc = two ? launch("moe_gemm self (gate/up)",
+                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, 2>, grid1,
+                                  dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1, *self)
+                         : launch("moe_gemm self (gate/up)",
+                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, MB1>, grid1,
+                                  dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1, *self))
+          return rc;
+        return launch("moe_gemm loop (down)",
+                      two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
+                          : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
+                      dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
+      }
+    }
     return launch_gemm_pair(
         "moe_gemm loop (gate/up)",
         two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
@@ -1813,6 +1952,13 @@ int set_smem_attrs() {
           moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, loop_mb<BT, N2 * NK2>()>, attr,
           Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
+  if constexpr (BT == 8) {
+    if (cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, 2>, attr,
+                             Sh1::kSmemBytes) != cudaSuccess ||
+        cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, loop_mb<BT, N1 * NK1>()>,
+                             attr, Sh1::kSmemBytes) != cudaSuccess)
+      return check_launch("cudaFuncSetAttribute");
+  }
   return 0;
 }
 
@@ -2054,7 +2200,12 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
   g2.min_rows = g1.min_rows;
 
-  if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
+  const SelfRoute sr{a.topk_ids, a.local_of, c.num_tiles, c.tile_expert, c.sorted_route,
+                     c.pos_of_route, routes, a.num_experts, a.el};
+  const bool self = use_self_route(path, bt, routes, a.el, p.t_max);
+  if (self) {
+    // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
+  } else if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
     if (int rc = launch("route_count_kernel", route_count_kernel, dim3(blocks),
                         dim3(kRouteThreads), sizeof(int) * a.el, stream, a.topk_ids, routes,
@@ -2094,7 +2245,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
     rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
-                                                                   a.h, a.inter, stream);   \
+                                                                   a.h, a.inter, stream,    \
+                                                                   self ? &sr : nullptr);   \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
@@ -2102,7 +2254,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
-                                                                   a.h, a.inter, stream);   \
+                                                                   a.h, a.inter, stream,    \
+                                                                   self ? &sr : nullptr);   \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
