@@ -46,6 +46,7 @@ class _Args(ctypes.Structure):
         ("el", ctypes.c_int),
         ("bt", ctypes.c_int),
         ("stream", ctypes.c_void_p),
+        ("local_first", ctypes.c_int),
     ]
 
 
@@ -131,6 +132,7 @@ class CudaState:
     w2_gscale: torch.Tensor  # fp32 [El]
     norm_weight: torch.Tensor  # bf16 [H]
     local_of: torch.Tensor  # int32 [E + 1]
+    local_first: int  # the first owned id when they are a range (no table lookups), else -1
     hidden_size: int
     intermediate_size: int
     num_experts: int
@@ -147,6 +149,12 @@ class CudaState:
             self.norm_weight,
             self.local_of,
         )
+
+
+def _range_start(experts: tuple[int, ...]) -> int:
+    """The first id when the owned experts are consecutive ids in order, else -1."""
+    first = experts[0] if experts else -1
+    return first if tuple(experts) == tuple(range(first, first + len(experts))) else -1
 
 
 def prepare_state(layer: ShardLayer, device: torch.device) -> CudaState:
@@ -167,6 +175,7 @@ def prepare_state(layer: ShardLayer, device: torch.device) -> CudaState:
         w2_gscale=layer.down.weight_scale_2.float().contiguous(),
         norm_weight=layer.norm_weight.to(torch.bfloat16).contiguous(),
         local_of=layer.global_to_local(device),
+        local_first=_range_start(layer.experts),
         hidden_size=h,
         intermediate_size=i,
         num_experts=layer.num_experts,
@@ -304,6 +313,7 @@ class CudaBackend:
             el=state.num_local_experts,
             bt=bt,
             stream=torch.cuda.current_stream(self.device).cuda_stream,
+            local_first=state.local_first,
         )
         with torch.cuda.device(self.device):
             _check(self._lib, self._lib.expertd_moe_forward(ctypes.byref(args)), "moe forward")

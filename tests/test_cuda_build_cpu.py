@@ -66,3 +66,16 @@ def test_defines_build_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-O0")
     with pytest.raises(ValueError, match="-DEXPERTD_"):
         build.nvcc_flags()
+
+
+def test_args_mirror_and_owned_range():
+    """The ctypes mirror of ExpertdMoeArgs ends with local_first, and a shard's experts pass as a
+    range (no table lookups in the kernels) only when they are consecutive ids in order."""
+    from expertd.kernels import cuda
+
+    assert [name for name, _ in cuda._Args._fields_][-2:] == ["stream", "local_first"]
+    assert cuda._range_start((32, 33, 34, 35)) == 32
+    assert cuda._range_start((0,)) == 0
+    assert cuda._range_start((3, 70, 128, 255)) == -1
+    assert cuda._range_start((5, 4)) == -1
+    assert cuda._range_start(()) == -1

@@ -343,11 +343,13 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
 constexpr int kRouteThreads = 1024;
 constexpr int kCached = 4;
 
+// first >= 0: the shard owns ids first .. first + el - 1 (the host checked first + el <= E), and
+// the local expert is id - first, with no dependent load of the local_of table.
 __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
-                                            const int* __restrict__ local_of, int r,
+                                            const int* __restrict__ local_of, int first, int r,
                                             int num_experts, int el) {
   const int id = topk_ids[r];
-  const int e = (id >= 0 && id < num_experts) ? local_of[id] : -1;
+  const int e = first >= 0 ? id - first : (id >= 0 && id < num_experts) ? local_of[id] : -1;
   return (e >= 0 && e < el) ? e : -1;
 }
 
@@ -399,7 +401,7 @@ __device__ __forceinline__ int expert_of_tile(const int* off, int el, int tile, 
 // THREADS: 1024, or 256 for calls of <= kRouteSmallMaxRoutes routes (route_threads_for).
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) route_kernel(
-    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
+    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of, int first,
     int num_experts, int el, int bt, int balanced, int* __restrict__ sorted_route,
     int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles) {
   extern __shared__ int sm[];
@@ -420,14 +422,14 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
 #pragma unroll
   for (int i = 0; i < kCached; ++i) {
     const int r = tid + i * THREADS;
-    cached[i] = r < num_routes ? local_expert(topk_ids, local_of, r, num_experts, el) : -1;
+    cached[i] = r < num_routes ? local_expert(topk_ids, local_of, first, r, num_experts, el) : -1;
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kCached; ++i)
     if (cached[i] >= 0) atomicAdd(&cnt[cached[i]], 1);
   for (int r = tid + kCached * THREADS; r < num_routes; r += THREADS) {
-    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
+    const int e = local_expert(topk_ids, local_of, first, r, num_experts, el);
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
@@ -455,7 +457,7 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
     }
   }
   for (int r = tid + kCached * THREADS; r < num_routes; r += THREADS) {
-    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
+    const int e = local_expert(topk_ids, local_of, first, r, num_experts, el);
     int p = -1;
     if (e >= 0) {
       p = slot_of(e, off, fill, ntile, bt, balanced);
@@ -483,7 +485,7 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
 constexpr int kRouteChunk = 4096;  // routes per block (4 per thread)
 
 __global__ void __launch_bounds__(kRouteThreads) route_count_kernel(
-    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of,
+    const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of, int first,
     int num_experts, int el, int* __restrict__ pos_of_route, int* __restrict__ hist) {
   extern __shared__ int cnt[];
   const int tid = threadIdx.x;
@@ -496,7 +498,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_count_kernel(
   const int r0 = blockIdx.x * kRouteChunk;
   const int r1 = min(num_routes, r0 + kRouteChunk);
   for (int r = r0 + tid; r < r1; r += kRouteThreads) {
-    const int e = local_expert(topk_ids, local_of, r, num_experts, el);
+    const int e = local_expert(topk_ids, local_of, first, r, num_experts, el);
     pos_of_route[r] = e;  // parked for route_scatter_kernel
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
@@ -978,6 +980,7 @@ constexpr int kSelfMaxExperts = 32;  // one lane per local expert
 struct SelfRoute {
   const int* topk_ids;
   const int* local_of;
+  int first;  // >= 0: the shard's ids are first .. first + el - 1 (local_expert)
   int* num_tiles;
   int* tile_expert;
   int* sorted_route;
@@ -995,8 +998,8 @@ __device__ __forceinline__ int self_route(const SelfRoute& s, const int lane, in
                                           int* tile_e, int* sorted, int& p0, int& p1) {
   constexpr unsigned kAll = 0xffffffffu;
   const int r0 = lane, r1 = lane + 32;
-  const int e0 = r0 < s.routes ? local_expert(s.topk_ids, s.local_of, r0, s.num_experts, s.el) : -1;
-  const int e1 = r1 < s.routes ? local_expert(s.topk_ids, s.local_of, r1, s.num_experts, s.el) : -1;
+  const int e0 = r0 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r0, s.num_experts, s.el) : -1;
+  const int e1 = r1 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r1, s.num_experts, s.el) : -1;
   cnt[lane] = 0;
   const unsigned lt = (1u << lane) - 1;
   const unsigned peers0 = __match_any_sync(kAll, e0), peers1 = __match_any_sync(kAll, e1);
@@ -2047,6 +2050,7 @@ struct ExpertdMoeArgs {
   int el;
   int bt;                     // 0: choose
   void* stream;               // cudaStream_t
+  int local_first;            // >= 0: the shard owns ids local_first .. + el - 1; -1: local_of
 };
 
 const char* expertd_last_error(void) { return g_error; }
@@ -2148,6 +2152,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "bad sizes: need m >= 0, top_k >= 1, el >= 1, num_experts >= 1");
   if (a.h % 256 || a.inter % 256 || a.h <= 0 || a.inter <= 0)
     return fail(1, "hidden and intermediate sizes must be positive multiples of 256");
+  if (a.local_first >= 0 && a.local_first + static_cast<long long>(a.el) > a.num_experts)
+    return fail(1, "local_first + el exceeds num_experts");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
   int path = kernel_path(bt);
@@ -2200,8 +2206,9 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
   g2.min_rows = g1.min_rows;
 
-  const SelfRoute sr{a.topk_ids, a.local_of, c.num_tiles, c.tile_expert, c.sorted_route,
-                     c.pos_of_route, routes, a.num_experts, a.el};
+  const SelfRoute sr{a.topk_ids,      a.local_of,        a.local_first, c.num_tiles,
+                     c.tile_expert,   c.sorted_route,    c.pos_of_route, routes,
+                     a.num_experts,   a.el};
   const bool self = use_self_route(path, bt, routes, a.el, p.t_max);
   if (self) {
     // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
@@ -2209,7 +2216,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
     if (int rc = launch("route_count_kernel", route_count_kernel, dim3(blocks),
                         dim3(kRouteThreads), sizeof(int) * a.el, stream, a.topk_ids, routes,
-                        a.local_of, a.num_experts, a.el, c.pos_of_route, c.route_hist))
+                        a.local_of, a.local_first, a.num_experts, a.el, c.pos_of_route,
+                        c.route_hist))
       return rc;
     if (int rc = launch("route_scatter_kernel", route_scatter_kernel, dim3(blocks),
                         dim3(kRouteThreads), sizeof(int) * (4 * a.el + 1), stream, routes, a.el,
@@ -2221,7 +2229,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     const auto kernel = threads == 256 ? route_kernel<256> : route_kernel<kRouteThreads>;
     if (int rc = launch("route_kernel", kernel, dim3(1), dim3(threads),
                         sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                        a.num_experts, a.el, bt, route_balanced(), c.sorted_route,
+                        a.local_first, a.num_experts, a.el, bt, route_balanced(), c.sorted_route,
                         c.pos_of_route, c.tile_expert, c.num_tiles))
       return rc;
   }
