@@ -29,15 +29,18 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_ROUTE_BALANCE       1: fill an expert's tiles round-robin (same bits; an
                                        experiment); default: in order
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
-                                       none; unset: 2 for calls of <= 8 routes
+                                       none; unset: 2 / 4 / 6 for calls of <= 8 / 32 / 64 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
-                                       13 / 18 for BT 8 calls of < 128 routes / more where H
-                                       and I are multiples of 512; 0: the table's configuration
+                                       28 / 13 / 18 for BT 8 calls of <= 8 / < 128 routes / more
+                                       where H and I are multiples of 512; 0: the table's
+    EXPERTD_KERNEL_SELF_ROUTE          0: route_kernel for every call (same bits; A/B); default:
+                                       GEMM1 routes calls of <= 64 routes on <= 32 experts
     EXPERTD_KERNEL_FIN_SERIAL          1: finalize loads a token's routes one after another at
                                        every M (same bits; A/B); default: together below 512
                                        tokens
     EXPERTD_KERNEL_ROUTE_THREADS       256 or 1024: route_kernel's block (same bits; A/B);
-                                       default: 256 for calls of <= 64 routes
+                                       default: 256 for calls of <= 64 routes (those that
+                                       launch it: EXPERTD_KERNEL_SELF_ROUTE)
 
 Run `python -m expertd.kernels.build` to build and print the library path.
 """
