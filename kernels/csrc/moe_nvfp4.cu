@@ -771,8 +771,8 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // moe_gemm_kernel (grid = n-blocks x tiles) and in a loop over tiles by moe_gemm_loop_kernel.
 // Returns with the block's shared memory still in use by the epilogue of some warps: the
 // caller's __syncthreads separates two items.
-// SELF: the call's routing comes from the caller's shared memory (self_tile_e, self_sorted: see
-// moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
+// SELF: the call's routing comes from the caller's shared memory (self_tile_e[tile], self_sorted
+// by position: moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
                                           const int* self_tile_e = nullptr,
@@ -998,8 +998,10 @@ __device__ __forceinline__ int self_route(const SelfRoute& s, const int lane, in
                                           int* tile_e, int* sorted, int& p0, int& p1) {
   constexpr unsigned kAll = 0xffffffffu;
   const int r0 = lane, r1 = lane + 32;
-  const int e0 = r0 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r0, s.num_experts, s.el) : -1;
-  const int e1 = r1 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r1, s.num_experts, s.el) : -1;
+  const int e0 =
+      r0 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r0, s.num_experts, s.el) : -1;
+  const int e1 =
+      r1 < s.routes ? local_expert(s.topk_ids, s.local_of, s.first, r1, s.num_experts, s.el) : -1;
   cnt[lane] = 0;
   const unsigned lt = (1u << lane) - 1;
   const unsigned peers0 = __match_any_sync(kAll, e0), peers1 = __match_any_sync(kAll, e1);
@@ -1042,18 +1044,18 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   __shared__ int cnt[32];
   __shared__ int tile_e[kMaxTiles + 1];  // + the tile count
   __shared__ int sorted[kMaxTiles * BT];
-  const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+  const bool tables = blockIdx.x == 0 && blockIdx.y == 0;  // this block writes the tables
   tl_mark(1, 0);
-  if (first) tl_mark(0, 0);
+  if (tables) tl_mark(0, 0);
   pdl_wait();  // the previous kernel on the stream (the last call's finalize reads pos_of_route)
   tl_mark(1, 1);
-  if (first) tl_mark(0, 1);
+  if (tables) tl_mark(0, 1);
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int p0, p1;
     const int nt = self_route<BT>(s, lane, cnt, tile_e, sorted, p0, p1);
     if (lane == 0) tile_e[kMaxTiles] = nt;
-    if (first) {
+    if (tables) {
       tl_mark(0, 2);
       if (lane == 0) *s.num_tiles = nt;
       for (int t = lane; t < nt; t += 32) s.tile_expert[t] = tile_e[t];
@@ -2206,9 +2208,9 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.pcap = p.pcap;
   g2.min_rows = g1.min_rows;
 
-  const SelfRoute sr{a.topk_ids,      a.local_of,        a.local_first, c.num_tiles,
-                     c.tile_expert,   c.sorted_route,    c.pos_of_route, routes,
-                     a.num_experts,   a.el};
+  const SelfRoute sr{a.topk_ids,     a.local_of,     a.local_first, c.num_tiles,
+                     c.tile_expert,  c.sorted_route, c.pos_of_route, routes,
+                     a.num_experts,  a.el};
   const bool self = use_self_route(path, bt, routes, a.el, p.t_max);
   if (self) {
     // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
