@@ -977,6 +977,14 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
 // M = 1 0.944 and 0.950 (-1.1 us), 2 0.962 / 0.965, 4 0.965 / 0.978, 8 0.989 / 1.000.
 constexpr int kSelfMaxRoutes = 64;
 constexpr int kSelfMaxExperts = 32;  // one lane per local expert
+// Blocks per SM asked of ptxas for the self-routed GEMM1 of calls of <= 8 routes: 2 (102
+// registers, 4 blocks per SM). The timeline build's marks took it to 132 registers and 3 blocks
+// per SM (a second wave of blocks at M = 1, session 13), so that build asks for 4.
+#ifdef EXPERTD_TIMELINE
+constexpr int kSelfTwoMb = 4;
+#else
+constexpr int kSelfTwoMb = 2;
+#endif
 struct SelfRoute {
   const int* topk_ids;
   const int* local_of;
@@ -1909,7 +1917,7 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
       if (self) {  // GEMM1 routes the call (use_self_route)
         const dim3 grid1(nx1, rows);
         if (int rc = two ? launch("moe_gemm self (gate/up)",
-                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, 2>, grid1,
+                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, grid1,
                                   dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1, *self)
                          : launch("moe_gemm self (gate/up)",
                                   moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, MB1>, grid1,
@@ -1958,7 +1966,7 @@ int set_smem_attrs() {
           Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   if constexpr (BT == 8) {
-    if (cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, 2>, attr,
+    if (cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, attr,
                              Sh1::kSmemBytes) != cudaSuccess ||
         cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, loop_mb<BT, N1 * NK1>()>,
                              attr, Sh1::kSmemBytes) != cudaSuccess)
