@@ -1,6 +1,7 @@
 """CPU tests of the benchmark helpers whose arithmetic decides kernel changes: the decode cases'
-inputs and routing weights (benchmarks/decode_cases.py) and the library A/B pairing
-(benchmarks/lib_ab.py)."""
+inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
+(benchmarks/lib_ab.py) and the SASS comparison of the libraries a call carries
+(benchmarks/carry_libs.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import carry_libs
 import decode_cases
 import lib_ab
 
@@ -70,3 +72,36 @@ def test_lib_ab_parse_env_reads_switches_and_refuses_a_bare_word():
     assert lib_ab.parse_env("A=1,B_C=x=y") == {"A": "1", "B_C": "x=y"}
     with pytest.raises(SystemExit, match="expected K=V"):
         lib_ab.parse_env("A=1,oops")
+
+
+def test_carry_libs_specs():
+    assert carry_libs.parse_spec("main=main") == carry_libs.Spec("main", "main", "")
+    assert carry_libs.parse_spec("v=@tree:-DEXPERTD_A=1 -DEXPERTD_B=2") == carry_libs.Spec(
+        "v", "@tree", "-DEXPERTD_A=1 -DEXPERTD_B=2"
+    )
+    for bad in ("main", "=main", "a b=main", "x=", "kernels=main", "v=@tree:-O3"):
+        with pytest.raises(ValueError):
+            carry_libs.parse_spec(bad)
+
+
+_SASS = """
+        Function : _ZN45_GLOBAL__N__%s_12_moe_nvfp4_cu_2513521512route_kernelEv
+        /*0000*/                   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */
+        /*0010*/                   S2R R0, SR_TID.X ;       /* 0x0000000000007919 */
+        Function : _ZN45_GLOBAL__N__%s_12_moe_nvfp4_cu_2513521515finalize_kernelEv
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   %s ;
+"""
+
+
+def test_carry_libs_sass_compare_ignores_the_build_hash_and_addresses():
+    a = carry_libs.sass_functions(_SASS % ("e090844d", "e090844d", "EXIT"))
+    b = carry_libs.sass_functions(_SASS % ("0badf00d", "0badf00d", "BRA 0x10"))
+    assert set(a) == set(b) and len(a) == 2
+    route = next(f for f in a if "route_kernel" in f)
+    assert a[route] == ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X"]
+    c = carry_libs.compare(a, b)
+    assert [carry_libs.short(f) for f in c["same"]] == ["route_kernelEv"]
+    assert [carry_libs.short(f) for f in c["differ"]] == ["finalize_kernelEv"]
+    c = carry_libs.compare(a, {route: a[route]})
+    assert len(c["only_base"]) == 1 and not c["only_other"]
