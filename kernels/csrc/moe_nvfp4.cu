@@ -1847,25 +1847,6 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
   return routes >= kAlt18MinRoutes ? 18 : 13;
 }
 
-// Whether GEMM1 routes the call itself (moe_gemm_self_kernel; EXPERTD_KERNEL_SELF_ROUTE=0: never):
-// v6 at BT 8 on a capped grid (grid_rows), at most kSelfMaxRoutes routes, at most 32 local experts.
-int grid_rows(int t_max, long long routes);
-bool use_self_route(int path, int bt, long long routes, int el, int t_max) {
-  const char* v = getenv("EXPERTD_KERNEL_SELF_ROUTE");
-  if (v && v[0] == '0') return false;
-  return path == 6 && bt == 8 && routes <= kSelfMaxRoutes && el <= kSelfMaxExperts &&
-         grid_rows(t_max, routes) < t_max;
-}
-
-// The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
-template <typename K1, typename K2>
-int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
-                     const char* what2, K2 k2, dim3 grid2, int threads2, int smem2,
-                     const GemmArgs& g1, const GemmArgs& g2, cudaStream_t stream) {
-  if (int rc = launch(what1, k1, grid1, dim3(threads1), smem1, stream, g1)) return rc;
-  return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
-}
-
 // v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap).
 // By default (H200, timed in alternating runs):
 //   <= 8 routes (M = 1 at top-8; t_max 9 rows of which ~1 is a tile): 2 rows. Session 4: 3%
@@ -1889,6 +1870,25 @@ int grid_rows(int t_max, long long routes) {
                                                 : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
 }
+// Whether GEMM1 routes the call itself (moe_gemm_self_kernel; EXPERTD_KERNEL_SELF_ROUTE=0: never):
+// v6 at BT 8 on a capped grid (rows < t_max), at most kSelfMaxRoutes routes, at most 32 local
+// experts.
+bool use_self_route(int path, int bt, long long routes, int el, int rows, int t_max) {
+  const char* v = getenv("EXPERTD_KERNEL_SELF_ROUTE");
+  if (v && v[0] == '0') return false;
+  return path == 6 && bt == 8 && routes <= kSelfMaxRoutes && el <= kSelfMaxExperts &&
+         rows < t_max;
+}
+
+// The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
+template <typename K1, typename K2>
+int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
+                     const char* what2, K2 k2, dim3 grid2, int threads2, int smem2,
+                     const GemmArgs& g1, const GemmArgs& g2, cudaStream_t stream) {
+  if (int rc = launch(what1, k1, grid1, dim3(threads1), smem1, stream, g1)) return rc;
+  return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
+}
+
 // Blocks per SM asked of ptxas for the loop kernel of calls above kCapRowsMaxRoutes: the full
 // grid's occupancy at BT 8 (64 registers: 1024 / threads blocks), else 2.
 template <int BT, int WARPS>
@@ -1896,10 +1896,12 @@ constexpr int loop_mb() {
   return BT == 8 && 32 / WARPS > 2 ? 32 / WARPS : 2;
 }
 
+// The v6 GEMMs of a call on `rows` grid rows (grid_rows: t_max, or a cap where blocks loop over
+// tiles); self: GEMM1 routes the call (use_self_route; capped grids at BT 8 only).
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
-int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long routes, int h,
-                 int inter, cudaStream_t stream, const SelfRoute* self) {
+int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, long long routes,
+                 int h, int inter, cudaStream_t stream, const SelfRoute* self) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
@@ -1909,39 +1911,32 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, long long ro
   // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  const int rows = grid_rows(t_max, routes);
+  if (rows >= t_max)
+    return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
+                            dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
+                            moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
+                            Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
-  if (rows < t_max) {
-    const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
+  const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
+  const dim3 grid1(nx1, rows), block1(Sh1::kThreads);
+  const auto launch_gemm1 = [&]() {
     if constexpr (BT == 8) {
-      if (self) {  // GEMM1 routes the call (use_self_route)
-        const dim3 grid1(nx1, rows);
-        if (int rc = two ? launch("moe_gemm self (gate/up)",
-                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, grid1,
-                                  dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1, *self)
-                         : launch("moe_gemm self (gate/up)",
-                                  moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, MB1>, grid1,
-                                  dim3(Sh1::kThreads), Sh1::kSmemBytes, stream, g1, *self))
-          return rc;
-        return launch("moe_gemm loop (down)",
-                      two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
-                          : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
-                      dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
-      }
+      if (self)
+        return launch("moe_gemm self (gate/up)",
+                      two ? moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>
+                          : moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, MB1>,
+                      grid1, block1, Sh1::kSmemBytes, stream, g1, *self);
     }
-    return launch_gemm_pair(
-        "moe_gemm loop (gate/up)",
-        two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
-            : moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
-        dim3(nx1, rows), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm loop (down)",
-        two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
-            : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
-        dim3(nx2, rows), Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
-  }
-  return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
-                          dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
-                          moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
-                          Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
+    return launch("moe_gemm loop (gate/up)",
+                  two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
+                      : moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
+                  grid1, block1, Sh1::kSmemBytes, stream, g1);
+  };
+  if (int rc = launch_gemm1()) return rc;
+  return launch("moe_gemm loop (down)",
+                two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
+                    : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
+                dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
@@ -2219,7 +2214,8 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   const SelfRoute sr{a.topk_ids,     a.local_of,     a.local_first, c.num_tiles,
                      c.tile_expert,  c.sorted_route, c.pos_of_route, routes,
                      a.num_experts,  a.el};
-  const bool self = use_self_route(path, bt, routes, a.el, p.t_max);
+  const int rows = grid_rows(p.t_max, routes);  // v6's grid rows (v8: the full grid)
+  const bool self = use_self_route(path, bt, routes, a.el, rows, p.t_max);
   if (self) {
     // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
   } else if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
@@ -2262,18 +2258,16 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
 #define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
   if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
-                                                                   a.h, a.inter, stream,    \
-                                                                   self ? &sr : nullptr);   \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
+        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr);         \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
 #define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(g1, g2, p.t_max, routes, \
-                                                                   a.h, a.inter, stream,    \
-                                                                   self ? &sr : nullptr);   \
+    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
+        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr);         \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
