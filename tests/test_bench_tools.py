@@ -1,7 +1,7 @@
 """CPU tests of the benchmark helpers whose arithmetic decides kernel changes: the decode cases'
 inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
-(benchmarks/lib_ab.py) and the SASS comparison of the libraries a call carries
-(benchmarks/carry_libs.py)."""
+(benchmarks/lib_ab.py), the SASS comparison of the libraries a call carries
+(benchmarks/carry_libs.py) and the bit comparison of their outputs (benchmarks/lib_bits.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import carry_libs
 import decode_cases
 import lib_ab
+import lib_bits
 
 
 @pytest.mark.parametrize("m,t", [(1, 0), (1, 1), (1, 3), (1, 8), (2, 5), (4, 32)])
@@ -105,3 +106,18 @@ def test_carry_libs_sass_compare_ignores_the_build_hash_and_addresses():
     assert [carry_libs.short(f) for f in c["differ"]] == ["finalize_kernelEv"]
     c = carry_libs.compare(a, {route: a[route]})
     assert len(c["only_base"]) == 1 and not c["only_other"]
+
+
+def test_lib_bits_compare_is_bitwise():
+    a = torch.tensor([[1.0, -0.0, 2.5]], dtype=torch.bfloat16)
+    saved = {"same": a, "sign of zero": a, "value": a, "gone": a}
+    now = {
+        "same": a.clone(),
+        "sign of zero": torch.tensor([[1.0, 0.0, 2.5]], dtype=torch.bfloat16),  # == as floats
+        "value": torch.tensor([[1.0, -0.0, 2.0]], dtype=torch.bfloat16),
+    }
+    lines = lib_bits.compare(saved, now)
+    assert lines[0] == "same same"
+    assert lines[1].startswith("DIFF sign of zero: 1 elements differ")
+    assert lines[2] == "DIFF value: 1 elements differ, largest difference 0.5"
+    assert lines[3] == "DIFF gone: missing or another shape"

@@ -819,12 +819,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   }
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
-    if constexpr (GATED) {
-      const int r = SELF ? self_sorted[pos] : a.sorted_route[pos];
+    const int r = SELF ? self_sorted[pos] : a.sorted_route[pos];
+    if constexpr (GATED)
       row_off[i] = r >= 0 ? static_cast<long long>(r / a.top_k) * a.k : -1;
-    } else {
-      row_off[i] = static_cast<long long>(pos) * a.k;  // GEMM1 wrote zeros to padding rows
-    }
+    else  // padding positions (no route): zero-filled, not copied (GEMM1 wrote zeros there)
+      row_off[i] = r >= 0 ? static_cast<long long>(pos) * a.k : -1;
   }
   __syncthreads();
   const int a_ch = tid % kChunksPerRow;  // this thread's 16-byte column of every row it copies
@@ -1462,7 +1461,7 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
     if constexpr (GATED)
       row_off[tid] = valid ? (r / a.top_k) * a.k : -1;  // the host keeps m * k below 2^31
     else
-      row_off[tid] = pos * a.k;  // pcap * k below 2^31 (host); GEMM1 zeroed the padding rows
+      row_off[tid] = valid ? pos * a.k : -1;  // pcap * k below 2^31 (host); padding: zero-filled
   }
   const int rows = __syncthreads_count(valid);
   v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, max(rows, a.min_rows),
