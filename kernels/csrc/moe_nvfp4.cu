@@ -1565,6 +1565,59 @@ __device__ __forceinline__ void finalize_chunk(const int t, const int c, const i
   fin_store(acc, t, c, h, out);
 }
 
+// A small call's token (finalize_kernel<true> where each thread holds one 16-byte chunk, top_k
+// <= kFinBatch and a warp per route): one round trip of GEMM2's data after the wait instead of
+// three. The positions and weights are read before griddepcontrol.wait (pos_of_route's writer,
+// route_kernel or GEMM1, completed before any GEMM2 block passed its wait, and this grid launches
+// only after every GEMM2 block has triggered or exited; through L2, never an L1 line of an earlier
+// call); after it, each thread's z chunks of the owned routes and warp j's partial sums of route
+// j are in flight together. The same sums in the same order as finalize_coefs +
+// finalize_chunk_batched, so the same bits. Session 14 (H200, diagnostic builds): finalize's
+// work after its wait is on a decode call's critical path, ~1 us for the coefficients and ~1 us
+// for the z chunks at M = 1.
+__device__ __forceinline__ void finalize_one_trip(const int t, const int* __restrict__ pos_of_route,
+                                                  const float* __restrict__ topk_weights,
+                                                  const int top_k, const uint16_t* __restrict__ z,
+                                                  const float* __restrict__ partial,
+                                                  const int nparts, const int pcap, const int h,
+                                                  uint16_t* __restrict__ out, float* coef) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = threadIdx.x;  // this thread's chunk (h / 8 <= blockDim.x)
+  const long long r0 = static_cast<long long>(t) * top_k;
+  int p[kFinBatch];
+#pragma unroll
+  for (int u = 0; u < kFinBatch; ++u) p[u] = u < top_k ? __ldcg(pos_of_route + r0 + u) : -1;
+  const int pw = warp < top_k ? __ldcg(pos_of_route + r0 + warp) : -1;
+  const float ww = warp < top_k ? topk_weights[r0 + warp] : 0.0f;
+  pdl_wait();
+  tl_mark(3, 1);
+  uint4 v[kFinBatch];
+#pragma unroll
+  for (int u = 0; u < kFinBatch; ++u)
+    v[u] = p[u] >= 0 && c < h / 8
+               ? __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p[u]) * h + c * 8))
+               : make_uint4(0u, 0u, 0u, 0u);
+  if (warp < top_k) {
+    float s = 0.0f;
+    if (pw >= 0)
+      for (int q = lane; q < nparts; q += 32)
+        s += __ldcg(partial + static_cast<long long>(q) * pcap + pw);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) coef[warp] = pw >= 0 ? ww / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
+  }
+  __syncthreads();
+  tl_mark(3, 2);
+  if (c >= h / 8) return;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kFinBatch; ++u)
+    if (p[u] >= 0) fin_accumulate(acc, coef[u], v[u]);
+  fin_store(acc, t, c, h, out);
+}
+
 // One block per token; H / 8 16-byte chunks spread over the threads (BATCHED: the routes' loads
 // issued together).
 template <bool BATCHED>
@@ -1577,6 +1630,12 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   int* pos = reinterpret_cast<int*>(fsm + top_k);
   const int t = blockIdx.x;
   tl_mark(3, 0);
+  if (BATCHED && top_k <= kFinBatch && top_k <= static_cast<int>(blockDim.x >> 5) &&
+      h / 8 <= static_cast<int>(blockDim.x)) {
+    finalize_one_trip(t, pos_of_route, topk_weights, top_k, z, partial, nparts, pcap, h, out, coef);
+    tl_done(3);
+    return;
+  }
   pdl_wait();
   tl_mark(3, 1);
   finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
