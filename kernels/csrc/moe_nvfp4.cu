@@ -1471,9 +1471,26 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
 
-// Token t's coefficients coef_j = w_j / rms_j and positions (-1: route not owned here) into
-// shared memory, one warp per route: the rms from the GEMM2 partial sums of z^2, summed in a
-// fixed order (lane-strided, then a shuffle tree). Every thread of the block calls it.
+// Sum of the GEMM2 partial sums of z^2 of the route at position p (0 when p < 0: not owned
+// here), in a fixed order (lane-strided, then a shuffle tree); every lane of the warp calls it
+// and gets the sum. The coefficient is w / sqrt(sum / H + eps) (route_coef).
+__device__ __forceinline__ float route_sq_sum(const int p, const float* __restrict__ partial,
+                                              const int nparts, const int pcap, const int lane) {
+  float s = 0.0f;
+  if (p >= 0)
+    for (int q = lane; q < nparts; q += 32)
+      s += __ldcg(partial + static_cast<long long>(q) * pcap + p);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+__device__ __forceinline__ float route_coef(const int p, const float w, const float s,
+                                            const int h) {
+  return p >= 0 ? w / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
+}
+
+// Token t's coefficients coef_j = w_j / rms_j (route_sq_sum, route_coef) and positions (-1: route not owned
+// here) into shared memory, one warp per route. Every thread of the block calls it.
 __device__ __forceinline__ void finalize_coefs(const int t, const int* __restrict__ pos_of_route,
                                                const float* __restrict__ topk_weights,
                                                const int top_k, const float* __restrict__ partial,
@@ -1486,14 +1503,9 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
     // Loaded beside p, not after the sum (one dependent L2 round trip fewer; session 11, library
     // A/B: M = 1-16 0.985-0.997 in 3 rounds, 64-2048 0.974-1.01)
     const float wj = topk_weights[rj];
-    float s = 0.0f;
-    if (p >= 0)
-      for (int q = lane; q < nparts; q += 32)
-        s += __ldcg(partial + static_cast<long long>(q) * pcap + p);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float sj = route_sq_sum(p, partial, nparts, pcap, lane);
     if (lane == 0) {
-      coef[j] = p >= 0 ? wj / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
+      coef[j] = route_coef(p, wj, sj, h);
       pos[j] = p;
     }
   }
@@ -1599,13 +1611,8 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
                ? __ldcg(reinterpret_cast<const uint4*>(z + static_cast<long long>(p[u]) * h + c * 8))
                : make_uint4(0u, 0u, 0u, 0u);
   if (warp < top_k) {
-    float s = 0.0f;
-    if (pw >= 0)
-      for (int q = lane; q < nparts; q += 32)
-        s += __ldcg(partial + static_cast<long long>(q) * pcap + pw);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) coef[warp] = pw >= 0 ? ww / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
+    const float sw = route_sq_sum(pw, partial, nparts, pcap, lane);
+    if (lane == 0) coef[warp] = route_coef(pw, ww, sw, h);
   }
   __syncthreads();
   tl_mark(3, 2);
