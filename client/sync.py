@@ -15,11 +15,11 @@ channels.
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent.futures import Future
 
 import torch
 
+from expertd.aioloop import start_loop_thread
 from expertd.client.aio import AsyncExpertClient
 from expertd.client.core import to_caller
 from expertd.client.routing import Topology
@@ -33,11 +33,7 @@ class ExpertClient:
         token, tls, max_attempts, retry_backoff, refresh_s)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="expertd-client", daemon=True
-        )
-        self._thread.start()
+        self._loop, self._thread = start_loop_thread("expertd-client")
         try:
             self._client: AsyncExpertClient = self._run(
                 AsyncExpertClient.connect(addresses, **options)

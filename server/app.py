@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertd.aioloop import start_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
@@ -267,9 +268,7 @@ class BackgroundServer:
 
     def __init__(self, config: ServerConfig, bank: ExpertBank | None = None) -> None:
         self.config = config
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._loop, self._thread = start_loop_thread("expertd-server")
         if bank is None:
             bank = ExpertBank.load(config, progress=lambda _msg: None)
         self.bank, runner = load_and_warm(config, bank=bank)

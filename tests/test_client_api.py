@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,6 +16,7 @@ import torch
 from conftest import PRESET, hidden, routing
 
 from expertd import wire
+from expertd.aioloop import start_loop_thread
 from expertd.client import (
     TLS,
     AsyncExpertClient,
@@ -39,8 +39,7 @@ class FakeShard(pb_grpc.ExpertServiceServicer, grpc.aio.ServerInterceptor):
     def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
         self.calls: list[tuple[str, dict[str, str]]] = []
         self.fail_with: grpc.StatusCode | None = None
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        self._loop, _ = start_loop_thread("fake-shard")
         self.port = asyncio.run_coroutine_threadsafe(self._start(credentials), self._loop).result()
         self.address = f"127.0.0.1:{self.port}"
 

@@ -1,0 +1,43 @@
+"""The event loops the sync client and the background server run on: grpc.aio's spurious
+wake-up error (several loops bound to one completion queue, grpc/grpc#25364) is dropped, every
+other error still reaches asyncio's log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from expertd.aioloop import is_spurious_grpc_wakeup, start_loop_thread
+
+SPURIOUS = {
+    "message": "Exception in callback PollerCompletionQueue._handle_events(<_UnixSelectorEventLoop"
+    " running=True closed=False debug=False>)()",
+    "exception": BlockingIOError(11, "Resource temporarily unavailable"),
+}
+
+
+def test_only_the_pollers_blocking_io_error_is_spurious():
+    assert is_spurious_grpc_wakeup(SPURIOUS)
+    assert not is_spurious_grpc_wakeup({**SPURIOUS, "exception": RuntimeError("real")})
+    assert not is_spurious_grpc_wakeup({**SPURIOUS, "message": "Exception in callback mine()"})
+    assert not is_spurious_grpc_wakeup({"message": "Task was destroyed but it is pending!"})
+
+
+def test_loop_thread_drops_the_spurious_error_and_logs_the_rest(caplog):
+    loop, thread = start_loop_thread("expertd-test")
+    try:
+        assert thread.is_alive() and thread.name == "expertd-test"
+
+        async def report(context):
+            asyncio.get_running_loop().call_exception_handler(context)
+
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run_coroutine_threadsafe(report(SPURIOUS), loop).result(5)
+            assert not caplog.records
+            real = {"message": "Exception in callback mine()", "exception": ValueError("boom")}
+            asyncio.run_coroutine_threadsafe(report(real), loop).result(5)
+        assert [r.getMessage() for r in caplog.records] == ["Exception in callback mine()"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
