@@ -28,10 +28,16 @@ def _exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         loop.default_exception_handler(context)
 
 
-def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    """A new event loop running forever on a new daemon thread named `name`."""
-    loop = asyncio.new_event_loop()
+def quiet_grpc_wakeups(loop: asyncio.AbstractEventLoop) -> None:
+    """Give `loop` (e.g. an application's own, beside the sync client's) the handler that drops
+    grpc.aio's spurious wake-up error and passes every other error to asyncio's default."""
     loop.set_exception_handler(_exception_handler)
+
+
+def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """A new event loop (quiet_grpc_wakeups) running forever on a new daemon thread `name`."""
+    loop = asyncio.new_event_loop()
+    quiet_grpc_wakeups(loop)
     thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
     thread.start()
     return loop, thread

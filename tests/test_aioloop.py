@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from expertd.aioloop import is_spurious_grpc_wakeup, start_loop_thread
+from expertd.aioloop import is_spurious_grpc_wakeup, quiet_grpc_wakeups, start_loop_thread
 
 SPURIOUS = {
     "message": "Exception in callback PollerCompletionQueue._handle_events(<_UnixSelectorEventLoop"
@@ -40,4 +40,17 @@ def test_loop_thread_drops_the_spurious_error_and_logs_the_rest(caplog):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+        loop.close()
+
+
+def test_an_applications_own_loop_can_be_quieted(caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        quiet_grpc_wakeups(loop)
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            loop.call_exception_handler(SPURIOUS)
+            assert not caplog.records
+            loop.call_exception_handler({"message": "other", "exception": OSError("x")})
+        assert [r.getMessage() for r in caplog.records] == ["other"]
+    finally:
         loop.close()
