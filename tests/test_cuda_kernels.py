@@ -461,3 +461,30 @@ def test_fp8_scales_spanning_their_range(backend):
     ids, w = _routes(m, num_experts, top_k, seed=3)
     x = torch.randn((m, h), device="cuda").to(torch.bfloat16)
     _check(_run(backend, state, x, ids, w), reference_forward(layer, x, ids, w), "fp8 range")
+
+
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_gemm2_spread_bit_identical(case, backend, monkeypatch, m):
+    """GEMM2 of a self-routed call above 8 routes spreads its items over the SMs (per-SM slot
+    counters): the same bits as the (n-blocks, rows) grid (EXPERTD_KERNEL_G2_PER_SM=-1), with 1
+    or 2 blocks per SM (padded shared memory), and when every block takes its place by the
+    fallback scan (EXPERTD_KERNEL_SPREAD_SCAN=1), twice in a row (the counters are reset by each
+    call's GEMM1)."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + 61)
+    ids[:, 0] = int(layer.experts[0])
+    ids[0, 1] = int(layer.experts[-1])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 13))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_G2_PER_SM", "-1")
+    want = _run(backend, state, x, ids, w)
+    for per_sm, scan in (("", "0"), ("1", "0"), ("2", "0"), ("", "1"), ("2", "1")):
+        if per_sm:
+            monkeypatch.setenv("EXPERTD_KERNEL_G2_PER_SM", per_sm)
+        else:
+            monkeypatch.delenv("EXPERTD_KERNEL_G2_PER_SM")
+        monkeypatch.setenv("EXPERTD_KERNEL_SPREAD_SCAN", scan)
+        for _ in range(2):
+            got = _run(backend, state, x, ids, w)
+            assert torch.equal(got, want), f"{preset.name} M={m} per_sm={per_sm!r} scan={scan}"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} spread GEMM2")

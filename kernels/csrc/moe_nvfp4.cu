@@ -961,6 +961,59 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
 }
 
+// GEMM2 at decode with its items spread over the SMs (calls GEMM1 routed itself:
+// moe_gemm_self_kernel zeroes the slot counters; grid P x S, sms = S, spread_launch). Item
+// = tile * n-blocks + n-block. The block scheduler fills some SMs (ids 124-131 on the H200) with
+// more of a grid's first blocks than others, so the (n-blocks, rows) grid of a 2-tile call at
+// M = 2 put 3 of its 256 real blocks on 8 SMs and 1 on 16 (GEMM2 10.2 us where 2 per SM stream
+// in ~7; session 15 timelines). Here each block takes a place q = slot S + sm, its SM's next
+// free slot (an atomic counter per SM), and runs items q, q + P S, ..., so item i runs on SM
+// i % S and every call's items are spread evenly. Places are handed out exactly once whatever
+// the placement (a block whose SM already gave out its P slots takes a free one elsewhere: there
+// are as many places as blocks), so the results never depend on it, only the balance does.
+constexpr int kSlotsOff = 32;  // the per-SM counters: num_tiles + kSlotsOff (one carve)
+constexpr int kMaxSlots = 256;
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
+  return r;
+}
+// sms < 0 (EXPERTD_KERNEL_SPREAD_SCAN=1, a test of the fallback): every block takes its place
+// by the scan, as a block whose SM gave out its slots does.
+__device__ __forceinline__ int spread_place(int* slots, const int per_sm, int sms) {
+  const unsigned sm = sm_id();
+  const bool own = sms > 0;
+  if (!own) sms = -sms;
+  if (own && sm < static_cast<unsigned>(sms)) {
+    const int t = atomicAdd(&slots[sm], 1);
+    if (t < per_sm) return t * sms + static_cast<int>(sm);
+  }
+  for (;;)  // this SM gave out its slots (blocks that exited early let later ones in): any free
+    for (int j = 0; j < sms; ++j)
+      if (*reinterpret_cast<volatile int*>(&slots[j]) < per_sm) {
+        const int t = atomicAdd(&slots[j], 1);
+        if (t < per_sm) return t * sms + j;
+      }
+}
+template <int BT, int WM, int NW, int NK, int KG, int ST, int MB>
+__global__ void __launch_bounds__(NW * NK * 32, MB)
+    moe_gemm_spread_kernel(const GemmArgs a, const int sms) {
+  __shared__ int place;
+  tl_mark(2, 0);
+  pdl_wait();
+  tl_mark(2, 1);
+  const int num_tiles = *a.num_tiles;  // in flight with the slot's atomic
+  if (threadIdx.x == 0)
+    place = spread_place(const_cast<int*>(a.num_tiles) + kSlotsOff, gridDim.x / abs(sms), sms);
+  __syncthreads();
+  const int nb = a.mt / (NW * WM), items = num_tiles * nb, first = place;
+  for (int it = first; it < items; it += gridDim.x) {
+    if (it != first) __syncthreads();  // the last item's memory is free
+    gemm_tile<BT, WM, NW, NK, KG, ST, false>(a, it / nb, it % nb);
+  }
+  if (first < items) tl_done(2);
+}
+
 // Small calls route themselves (session 13): for calls of at most kSelfMaxRoutes routes on a shard
 // of at most 32 experts at BT 8 (M <= 8 at top-8; the v6 loop kernels), route_kernel is not
 // launched. Each GEMM1 block's first warp computes the whole routing from topk_ids (two routes per
@@ -1048,6 +1101,7 @@ template <int BT, int WM, int NW, int NK, int KG, int ST, int MB>
 __global__ void __launch_bounds__(NW * NK * 32, MB)
     moe_gemm_self_kernel(const GemmArgs a, const SelfRoute s) {
   constexpr int kMaxTiles = kSelfMaxRoutes / BT + kSelfMaxExperts;  // t_max's bound
+  static_assert(NW * NK >= 2, "warp 0 routes, the others zero GEMM2's slot counters");
   __shared__ int cnt[32];
   __shared__ int tile_e[kMaxTiles + 1];  // + the tile count
   __shared__ int sorted[kMaxTiles * BT];
@@ -1071,6 +1125,9 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
       if (lane + 32 < s.routes) s.pos_of_route[lane + 32] = p1;
       tl_mark(0, 3);
     }
+  } else if (tables) {  // moe_gemm_spread_kernel's per-SM slot counters for this call
+    for (int i = threadIdx.x - 32; i < kMaxSlots; i += blockDim.x - 32)
+      s.num_tiles[kSlotsOff + i] = 0;
   }
   __syncthreads();
   const int num_tiles = tile_e[kMaxTiles];
@@ -1848,7 +1905,7 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     o += align256(bytes);
     return ptr;
   };
-  c.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
+  c.num_tiles = reinterpret_cast<int*>(take(sizeof(int) * (kSlotsOff + kMaxSlots)));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
   c.pos_of_route = reinterpret_cast<int*>(take(sizeof(int) * (m * top_k + 1)));
@@ -1946,6 +2003,60 @@ bool use_self_route(int path, int bt, long long routes, int el, int rows, int t_
          rows < t_max;
 }
 
+// The launch of GEMM2 at decode (moe_gemm_spread_kernel): grid, dynamic shared memory, spread_sms.
+struct SpreadLaunch {
+  dim3 grid;
+  int smem;
+  int spread_sms;
+};
+// Dynamic shared memory moe_gemm_spread_kernel may be launched with (set_smem_attrs): room to pad
+// blocks down to one per SM (spread_launch).
+constexpr int kSpreadMaxSmem = 120 * 1024;
+// P blocks on each of the S SMs, P the blocks an SM holds at once (per_sm = 0), or per_sm with
+// the dynamic shared memory padded so that no SM holds one more; spread_sms = 0 (the caller
+// launches the plain grid) where the device or the kernel do not allow it.
+template <typename Kernel>
+SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
+  const SpreadLaunch plain{dim3(1), smem, 0};
+  int dev = 0, sms = 0, sm_smem = 0, reserved = 0, fits = 0;
+  cudaFuncAttributes fa;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
+          cudaSuccess ||
+      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+    cudaGetLastError();  // not fatal: the plain grid computes the same
+    return plain;
+  }
+  int dyn = smem;
+  if (per_sm > 0) {  // per_sm + 1 blocks must not fit: (per_sm + 1) (static + dyn + reserved) > SM
+    const int pad = sm_smem / (per_sm + 1) - static_cast<int>(fa.sharedSizeBytes) - reserved + 1;
+    if (pad > dyn) dyn = pad;
+  }
+  if (dyn > kSpreadMaxSmem || sms > kMaxSlots ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, threads, dyn) != cudaSuccess ||
+      fits < 1) {
+    cudaGetLastError();
+    return plain;
+  }
+  return SpreadLaunch{dim3(static_cast<unsigned>(fits * sms)), dyn, sms};
+}
+// GEMM2 of a self-routed call (moe_gemm_spread_kernel or the (n-blocks, rows) loop grid):
+// spread over the SMs at full occupancy above kCapRowsMaxRoutes routes. H200, session 15 call 4
+// (library A/B against main, 3 rounds, `-s15-spread.json`): M = 2 0.991 / 0.992 / 0.993, 4 0.995
+// / 0.998 / 1.005, 8 0.987 / 0.991 / 0.990; M = 1 (the 2-row grid's kernel, 3 blocks per SM)
+// 1.006 / 1.009 / 1.011, so M = 1 keeps the plain grid. A timeline of one 2-tile call at M = 2:
+// 30.2 -> 29.0 us (GEMM2's last block 25.4 -> 24.0); the benchmark's M = 2 mixes 0-5 tiles.
+// EXPERTD_KERNEL_G2_PER_SM (A/B): < 0 the plain grid, 0 spread at full occupancy, P > 0 spread
+// with P blocks per SM (padded shared memory; P = 2 measured 1.01-1.05x slower at M = 1-8).
+int g2_per_sm(long long routes) {
+  const char* v = getenv("EXPERTD_KERNEL_G2_PER_SM");
+  if (v && v[0]) return atoi(v);
+  return routes > kCapRowsMaxRoutes ? 0 : -1;
+}
+
 // The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
 template <typename K1, typename K2>
 int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
@@ -1999,6 +2110,18 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, lo
                   grid1, block1, Sh1::kSmemBytes, stream, g1);
   };
   if (int rc = launch_gemm1()) return rc;
+  if constexpr (BT == 8) {
+    const int per_sm = g2_per_sm(routes);
+    if (self && per_sm >= 0) {
+      const auto k2 = two ? moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, 2>
+                          : moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, MB2>;
+      const SpreadLaunch l2 = spread_launch(k2, Sh2::kThreads, Sh2::kSmemBytes, per_sm);
+      const char* scan = getenv("EXPERTD_KERNEL_SPREAD_SCAN");
+      if (l2.spread_sms > 0)
+        return launch("moe_gemm spread (down)", k2, l2.grid, dim3(Sh2::kThreads), l2.smem,
+                      stream, g2, scan && scan[0] == '1' ? -l2.spread_sms : l2.spread_sms);
+    }
+  }
   return launch("moe_gemm loop (down)",
                 two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
                     : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
@@ -2027,10 +2150,15 @@ int set_smem_attrs() {
           Sh2::kSmemBytes) != cudaSuccess)
     return check_launch("cudaFuncSetAttribute");
   if constexpr (BT == 8) {
+    constexpr int spread_smem = Sh2::kSmemBytes > kSpreadMaxSmem ? Sh2::kSmemBytes : kSpreadMaxSmem;
     if (cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, attr,
                              Sh1::kSmemBytes) != cudaSuccess ||
         cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, loop_mb<BT, N1 * NK1>()>,
-                             attr, Sh1::kSmemBytes) != cudaSuccess)
+                             attr, Sh1::kSmemBytes) != cudaSuccess ||
+        cudaFuncSetAttribute(moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, 2>, attr,
+                             spread_smem) != cudaSuccess ||
+        cudaFuncSetAttribute(moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, loop_mb<BT, N2 * NK2>()>,
+                             attr, spread_smem) != cudaSuccess)
       return check_launch("cudaFuncSetAttribute");
   }
   return 0;
