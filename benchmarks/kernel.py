@@ -173,6 +173,22 @@ def graphed(backend, state, m: int, inputs, bt: int = 0, env=None) -> GraphedFor
     return g
 
 
+def measure_graph_floor(calls: int = 24, reps: int = 15) -> dict[str, float]:
+    """Replay period (us) of CUDA graphs of 1 and 3 one-element torch kernels replayed back to
+    back: the launch floor under any call of that many kernels on this machine (the forward
+    of a decode call is 3 kernels, chained with PDL, which these are not)."""
+    t = torch.zeros(1, device="cuda")
+    floor = {}
+    for n in (1, 3):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                t.add_(1)
+        floor[f"{n}_kernels"] = time_calls(lambda s, g=g: g.replay(), 1, calls, reps) * 1e6
+        del g
+    return floor
+
+
 def measure_copy_bw() -> float:
     n = 1 << 30  # 1 GiB
     a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
@@ -263,6 +279,10 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(1)
 
     date = dt.date.today().isoformat()
+    try:  # an auxiliary figure: a failure is reported, not fatal to the run
+        graph_floor: dict[str, float | str] = measure_graph_floor()
+    except RuntimeError as e:
+        graph_floor = {"error": str(e)}
     result = {
         "date": date,
         "kind": args.kind,
@@ -271,6 +291,7 @@ def main() -> int:
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
+        "graph_floor_us": graph_floor,
         "preset": "muse-spark",
         "local_experts": EL,
         "expert_bytes": expert_bytes,
@@ -493,6 +514,11 @@ def main() -> int:
         print(
             "no local route (fixed cost, v6), graph us: "
             + ", ".join(f"M={r['M']} {r['path_us']['v6_no_local_route']:.1f}" for r in fixed)
+            + "; empty graphs (torch, back to back): "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in result["graph_floor_us"].items()
+            )
         )
     again = [r for r in rows if r.get("graph_us_after_variants")]
     if again:
