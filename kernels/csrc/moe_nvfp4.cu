@@ -2050,7 +2050,7 @@ SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
 // 1.006 / 1.009 / 1.011, so M = 1 keeps the plain grid. A timeline of one 2-tile call at M = 2:
 // 30.2 -> 29.0 us (GEMM2's last block 25.4 -> 24.0); the benchmark's M = 2 mixes 0-5 tiles.
 // EXPERTD_KERNEL_G2_PER_SM (A/B): < 0 the plain grid, 0 spread at full occupancy, P > 0 spread
-// with P blocks per SM (padded shared memory; P = 2 measured 1.01-1.05x slower at M = 1-8).
+// with P blocks per SM (padded shared memory; P = 2 measured 1.02-1.06x slower at M = 1-8).
 int g2_per_sm(long long routes) {
   const char* v = getenv("EXPERTD_KERNEL_G2_PER_SM");
   if (v && v[0]) return atoi(v);
