@@ -57,6 +57,8 @@
 #include <stdlib.h>
 #include <stdio.h>
 
+#include <mutex>
+
 #include "wgmma.cuh"
 
 namespace {
@@ -2016,12 +2018,11 @@ constexpr int kSpreadMaxSmem = 120 * 1024;
 // the dynamic shared memory padded so that no SM holds one more; spread_sms = 0 (the caller
 // launches the plain grid) where the device or the kernel do not allow it.
 template <typename Kernel>
-SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
+SpreadLaunch spread_launch_query(Kernel kernel, int dev, int threads, int smem, int per_sm) {
   const SpreadLaunch plain{dim3(1), smem, 0};
-  int dev = 0, sms = 0, sm_smem = 0, reserved = 0, fits = 0;
+  int sms = 0, sm_smem = 0, reserved = 0, fits = 0;
   cudaFuncAttributes fa;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
           cudaSuccess ||
       cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
@@ -2042,6 +2043,42 @@ SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
     return plain;
   }
   return SpreadLaunch{dim3(static_cast<unsigned>(fits * sms)), dyn, sms};
+}
+// spread_launch_query's answer per (device, kernel, threads, shared memory, per_sm), kept for
+// the library's lifetime: what it reads does not change, and the queries cost host time on every
+// eager call at M = 2-8 (graph replays skip the host code).
+struct SpreadCacheEntry {
+  int dev;
+  const void* kernel;
+  int threads, smem, per_sm;
+  SpreadLaunch launch;
+};
+constexpr int kSpreadCacheSize = 64;
+template <typename Kernel>
+SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
+  static std::mutex mu;
+  static SpreadCacheEntry cache[kSpreadCacheSize];
+  static int cached = 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return SpreadLaunch{dim3(1), smem, 0};
+  }
+  const void* key = reinterpret_cast<const void*>(kernel);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (int i = 0; i < cached; ++i) {
+      const SpreadCacheEntry& c = cache[i];
+      if (c.dev == dev && c.kernel == key && c.threads == threads && c.smem == smem &&
+          c.per_sm == per_sm)
+        return c.launch;
+    }
+  }
+  const SpreadLaunch l = spread_launch_query(kernel, dev, threads, smem, per_sm);
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached < kSpreadCacheSize)
+    cache[cached++] = SpreadCacheEntry{dev, key, threads, smem, per_sm, l};
+  return l;
 }
 // GEMM2 of a self-routed call (moe_gemm_spread_kernel or the (n-blocks, rows) loop grid):
 // spread over the SMs at full occupancy above kCapRowsMaxRoutes routes. H200, session 15 call 4
