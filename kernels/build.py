@@ -29,7 +29,7 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_ROUTE_BALANCE       1: fill an expert's tiles round-robin (same bits; an
                                        experiment); default: in order
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
-                                       none; unset: 2 / 4 / 6 for calls of <= 8 / 32 / 64 routes
+                                       none; unset: 2 for calls of <= 64 routes
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
                                        28 / 13 / 18 for BT 8 calls of <= 8 / < 128 routes / more
                                        where H and I are multiples of 512; 0: the table's

@@ -1973,26 +1973,21 @@ int decode_alt_for(int bt, long long routes, int h, int inter) {
 }
 
 // v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap).
-// By default (H200, timed in alternating runs):
-//   <= 8 routes (M = 1 at top-8; t_max 9 rows of which ~1 is a tile): 2 rows. Session 4: 3%
-//     faster than the full grid, 6% slower with 1 row.
-//   9-32 routes (M = 2-4): 4 rows since session 11 (with the aligned ring). 4 rows against 6,
-//     calls 8 and 9: M = 2 0.976 and 0.977 (against the full grid, M = 2's default before:
-//     0.978 and 0.979), M = 3 0.984, M = 4 0.989 and 0.987.
-//   33-64 routes (M = 5-8; t_max 36-40 rows for ~5-7 tiles): 6 rows. Session 9, with the loop
-//     kernel at the full grid's occupancy, 6 rows / full grid: M = 8 0.984 and 0.989; 4 rows
-//     against 6 at M = 8 (session 11): 1.007 and 0.997.
-//   above: t_max (one row per tile the call could have; 6 rows at M = 16 measured 1.069).
+// By default (H200, timed in alternating runs): 2 rows for calls of <= 64 routes (M <= 8 at
+// top-8; t_max 9-40 rows for ~1-7 tiles), one row per possible tile (t_max) above (6 rows at
+// M = 16 measured 1.069).
+//   M = 1: 2 rows since session 4 (3% faster than the full grid, 6% slower with 1 row; session
+//     16: 3 rows 1.049, 4 rows 1.097).
+//   M = 2-8: 2 rows since session 16 (calls 3-4, paired, 32 input sets per M). Against the
+//     earlier caps (4 rows to 32 routes, 6 to 64): M = 2 0.983 and 1 / 1.018, 3 0.986 and
+//     1 / 1.019, 4 0.999 and 0.994, 6 0.983, 8 0.987; 3 rows at M = 2 / 3 1.000 / 1.010, 1 row
+//     1.017 / 1.020. (Session 11 had chosen 4 over 6 rows at M = 2-4, 0.976-0.989; session 9 6
+//     rows over the full grid at M = 8, 0.984-0.989.)
 constexpr long long kCapRowsMaxRoutes = 8;
-constexpr long long kCap4MaxRoutes = 32;
-constexpr long long kCap6MaxRoutes = 64;
+constexpr long long kCap2MaxRoutes = 64;
 int grid_rows(int t_max, long long routes) {
   const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
-  const int cap = (v && v[0]) ? atoi(v)
-                  : routes <= kCapRowsMaxRoutes ? 2
-                  : routes <= kCap4MaxRoutes    ? 4
-                  : routes <= kCap6MaxRoutes    ? 6
-                                                : 0;
+  const int cap = (v && v[0]) ? atoi(v) : routes <= kCap2MaxRoutes ? 2 : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
 }
 // Whether GEMM1 routes the call itself (moe_gemm_self_kernel; EXPERTD_KERNEL_SELF_ROUTE=0: never):
