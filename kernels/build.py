@@ -33,6 +33,9 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
                                        28 / 13 / 18 for BT 8 calls of <= 8 / < 128 routes / more
                                        where H and I are multiples of 512; 0: the table's
+    EXPERTD_KERNEL_ROUTE_WARP          0: route_kernel's general tables (barriers after the
+                                       count); default: barrier-free tables for <= 32 local
+                                       experts (same bits; A/B)
     EXPERTD_KERNEL_SELF_ROUTE          0: route_kernel for every call (same bits; A/B); default:
                                        GEMM1 routes calls of <= 64 routes on <= 32 experts
     EXPERTD_KERNEL_FIN_SERIAL          1: finalize loads a token's routes one after another at

@@ -312,6 +312,32 @@ def test_route_threads_bit_identical(case, backend, monkeypatch, threads, m):
     assert torch.equal(got, want), f"{preset.name} M {m}: route_kernel on {threads} threads differs"
 
 
+@pytest.mark.parametrize(
+    "m,bt,threads", [(9, 8, ""), (64, 0, ""), (200, 0, "256"), (600, 0, ""), (1024, 160, "")]
+)
+def test_route_warp_tables_bit_identical(case, backend, monkeypatch, m, bt, threads):
+    """route_kernel's barrier-free tables (every warp scans the counts in registers; the default
+    for <= 32 local experts) against the general path (EXPERTD_KERNEL_ROUTE_WARP=0): the same
+    bits, with a busy expert over several tiles and routes past the cached ones (M = 200 on 256
+    threads, M = 600 on 1024)."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + 41)
+    ids[:, 0] = int(layer.experts[0])
+    ids[::3, 2] = int(layer.experts[-1])
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 3))
+    x = x.to(torch.bfloat16).cuda()
+    monkeypatch.setenv("EXPERTD_KERNEL_SELF_ROUTE", "0")  # route_kernel at M <= 8 too
+    if threads:
+        monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_THREADS", threads)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_WARP", "0")
+    want = _run(backend, state, x, ids, w, bt=bt)
+    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_WARP", "1")
+    for _ in range(2):
+        got = _run(backend, state, x, ids, w, bt=bt)
+        assert torch.equal(got, want), f"{preset.name} M {m} BT {bt}: warp tables differ"
+    _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} warp tables")
+
+
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the
