@@ -77,6 +77,19 @@ def _run(backend, state, x, ids, w, **kw):
     return out
 
 
+def _same_bits_under(monkeypatch, backend, state, inputs, var, base, other, what, calls=2, **kw):
+    """The forward with kernel switch `var` at `other` equals the one at `base` bit for bit, on
+    `calls` calls in a row; returns the last output."""
+    x, ids, w = inputs
+    monkeypatch.setenv(var, base)
+    want = _run(backend, state, x, ids, w, **kw)
+    monkeypatch.setenv(var, other)
+    for _ in range(calls):
+        got = _run(backend, state, x, ids, w, **kw)
+        assert torch.equal(got, want), f"{what}: {var}={other} differs from {base}"
+    return got
+
+
 _REFS: dict = {}
 
 
@@ -249,12 +262,10 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
     preset, layer, state = case
     x, ids, w = _busy_inputs(preset, layer, 150, 75, 0, seed=bt, x_seed=bt + 1)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "2")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.setenv("EXPERTD_KERNEL_WG_RING", "3")
-    for _ in range(3):
-        got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} BT {bt}: ring 3 differs from ring 2"
+    what = f"{preset.name} BT {bt}"
+    got = _same_bits_under(
+        monkeypatch, backend, state, (x, ids, w), "EXPERTD_KERNEL_WG_RING", "2", "3", what, 3, bt=bt
+    )
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} BT {bt} v8 ring 3")
 
 
@@ -329,12 +340,10 @@ def test_route_warp_tables_bit_identical(case, backend, monkeypatch, m, bt, thre
     monkeypatch.setenv("EXPERTD_KERNEL_SELF_ROUTE", "0")  # route_kernel at M <= 8 too
     if threads:
         monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_THREADS", threads)
-    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_WARP", "0")
-    want = _run(backend, state, x, ids, w, bt=bt)
-    monkeypatch.setenv("EXPERTD_KERNEL_ROUTE_WARP", "1")
-    for _ in range(2):
-        got = _run(backend, state, x, ids, w, bt=bt)
-        assert torch.equal(got, want), f"{preset.name} M {m} BT {bt}: warp tables differ"
+    what = f"{preset.name} M {m} BT {bt}"
+    got = _same_bits_under(
+        monkeypatch, backend, state, (x, ids, w), "EXPERTD_KERNEL_ROUTE_WARP", "0", "1", what, bt=bt
+    )
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} warp tables")
 
 
