@@ -868,6 +868,29 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     const int m = c / (KG * 8), rem = c % (KG * 8);
     ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 8 + rem;
   }
+  // The weights and scales of the first ST - 1 stages need only the expert: issued before the
+  // token rows' indices are loaded (a dependent global load and a barrier at each work item's
+  // start), they join the first stage's commit group.
+  auto load_weights = [&](int slot, int kt) {
+    uint8_t* base = smem + slot * S::kStageBytes;
+    const uint32_t w_s = smem_addr(base);
+    const uint32_t s_s = smem_addr(base + S::kWBytes);
+#pragma unroll
+    for (int i = 0; i < S::kWPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kWChunks % T == 0 || c < S::kWChunks)
+        cp_async16(w_s + c * 16, wsrc[i] + kt * (KG * 32), 16);
+    }
+#pragma unroll
+    for (int i = 0; i < S::kSPer; ++i) {
+      const int c = tid + i * T;
+      if (S::kSChunks % T == 0 || c < S::kSChunks)
+        cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s)
+    if (s < kt_count) load_weights(s, s);
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
     const int r = SELF ? self_sorted[pos] : a.sorted_route[pos];
@@ -896,28 +919,17 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     adst[i] = (row * kChunksPerRow + ((a_ch & ~7) | ((a_ch ^ row) & 7))) * 16;
   }
 
-  auto load_stage = [&](int slot, int kt) {
-    uint8_t* base = smem + slot * S::kStageBytes;
-    const uint32_t w_s = smem_addr(base);
-    const uint32_t s_s = smem_addr(base + S::kWBytes);
-    const uint32_t a_s = smem_addr(base + S::kWBytes + S::kSBytes);
-#pragma unroll
-    for (int i = 0; i < S::kWPer; ++i) {
-      const int c = tid + i * T;
-      if (S::kWChunks % T == 0 || c < S::kWChunks)
-        cp_async16(w_s + c * 16, wsrc[i] + kt * (KG * 32), 16);
-    }
-#pragma unroll
-    for (int i = 0; i < S::kSPer; ++i) {
-      const int c = tid + i * T;
-      if (S::kSChunks % T == 0 || c < S::kSChunks)
-        cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
-    }
+  auto load_tokens = [&](int slot, int kt) {
+    const uint32_t a_s = smem_addr(smem + slot * S::kStageBytes + S::kWBytes + S::kSBytes);
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
       if ((S::kAChunks % T == 0 || a_row0 + i * kRowsPerPass < BT) && (areal[i] || kt < ST))
         cp_async16(a_s + adst[i], asrc[i] + kt * S::kBK, areal[i] ? 16 : 0);
     }
+  };
+  auto load_stage = [&](int slot, int kt) {
+    load_weights(slot, kt);
+    load_tokens(slot, kt);
   };
 
   float acc[WM][NT][4];
@@ -930,7 +942,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
 
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < kt_count) load_stage(s, s);
+    if (s < kt_count) load_tokens(s, s);
     cp_async_commit();
   }
 
