@@ -824,7 +824,13 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // caller's __syncthreads separates two items.
 // SELF: the call's routing comes from the caller's shared memory (self_tile_e[tile], self_sorted
 // by position: moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
-template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false>
+// EARLY (the one-tile grid, moe_gemm_kernel): the first ST - 1 stages' weights and scales are
+// issued as soon as the expert is known, before the token rows' indices (a dependent global
+// load and a barrier); they join stage 0's commit group. H200, session 16 call 13, in every v6
+// GEMM: M = 16 0.972 / 0.968, but M = 1 1.021 / 1.006 and 2 1.009 / 1.005 (the decode loop,
+// self-routed and spread kernels keep the order before).
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false,
+          bool EARLY = false>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
                                           const int* self_tile_e = nullptr,
                                           const int* self_sorted = nullptr) {
@@ -868,9 +874,6 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     const int m = c / (KG * 8), rem = c % (KG * 8);
     ssrc[i] = scales_e + static_cast<long long>(m) * kg_count * 8 + rem;
   }
-  // The weights and scales of the first ST - 1 stages need only the expert: issued before the
-  // token rows' indices are loaded (a dependent global load and a barrier at each work item's
-  // start), they join the first stage's commit group.
   auto load_weights = [&](int slot, int kt) {
     uint8_t* base = smem + slot * S::kStageBytes;
     const uint32_t w_s = smem_addr(base);
@@ -888,9 +891,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
         cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
     }
   };
+  if constexpr (EARLY) {
 #pragma unroll
-  for (int s = 0; s < ST - 1; ++s)
-    if (s < kt_count) load_weights(s, s);
+    for (int s = 0; s < ST - 1; ++s)
+      if (s < kt_count) load_weights(s, s);
+  }
   for (int i = tid; i < BT; i += T) {
     const int pos = tile * BT + i;
     const int r = SELF ? self_sorted[pos] : a.sorted_route[pos];
@@ -942,7 +947,12 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
 
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < kt_count) load_tokens(s, s);
+    if (s < kt_count) {
+      if constexpr (EARLY)
+        load_tokens(s, s);
+      else
+        load_stage(s, s);
+    }
     cp_async_commit();
   }
 
@@ -1000,7 +1010,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, true>(a, tile, blockIdx.x);
   tl_done(GATED ? 1 : 2);
 }
 
