@@ -891,7 +891,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
         cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
     }
   };
-  if constexpr (EARLY) {
+  if constexpr (EARLY) {  // before the token indices; they join stage 0's commit group below
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s)
       if (s < kt_count) load_weights(s, s);
