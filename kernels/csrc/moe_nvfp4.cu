@@ -830,7 +830,7 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // GEMM: M = 16 0.972 / 0.968, but M = 1 1.021 / 1.006 and 2 1.009 / 1.005 (the decode loop,
 // self-routed and spread kernels keep the order before).
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false,
-          bool EARLY = false>
+          int EARLY = 0>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
                                           const int* self_tile_e = nullptr,
                                           const int* self_sorted = nullptr) {
@@ -891,9 +891,9 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
         cp_async16(s_s + c * 16, ssrc[i] + kt * (KG * 8), 16);
     }
   };
-  if constexpr (EARLY) {  // before the token indices; they join stage 0's commit group below
+  if constexpr (EARLY > 0) {  // before the token indices; they join stage 0's commit group below
 #pragma unroll
-    for (int s = 0; s < ST - 1; ++s)
+    for (int s = 0; s < (EARLY == 1 ? ST - 1 : 1); ++s)
       if (s < kt_count) load_weights(s, s);
   }
   for (int i = tid; i < BT; i += T) {
@@ -948,7 +948,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
     if (s < kt_count) {
-      if constexpr (EARLY)
+      if (EARLY == 1 || (EARLY == 2 && s == 0))
         load_tokens(s, s);
       else
         load_stage(s, s);
@@ -1002,6 +1002,14 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
 }
 
+// The early weight copies in the decode kernels (loop, spread, self-routed): a compile-time
+// experiment (-DEXPERTD_DECODE_EARLY=1: the first ST - 1 stages, 2: stage 0 only; 0, the
+// default: the order before). Session 16 measured 1 at M = 1-2: 1.005-1.021 (slower).
+#ifndef EXPERTD_DECODE_EARLY
+#define EXPERTD_DECODE_EARLY 0
+#endif
+constexpr int kDecodeEarly = EXPERTD_DECODE_EARLY;
+
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
 __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
@@ -1010,7 +1018,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, true>(a, tile, blockIdx.x);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, 1>(a, tile, blockIdx.x);
   tl_done(GATED ? 1 : 2);
 }
 
@@ -1029,7 +1037,7 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   const int num_tiles = *a.num_tiles;
   for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
     if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED>(a, tile, blockIdx.x);
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kDecodeEarly>(a, tile, blockIdx.x);
   }
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
 }
@@ -1082,7 +1090,7 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   const int nb = a.mt / (NW * WM), items = num_tiles * nb, first = place;
   for (int it = first; it < items; it += gridDim.x) {
     if (it != first) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, false>(a, it / nb, it % nb);
+    gemm_tile<BT, WM, NW, NK, KG, ST, false, false, kDecodeEarly>(a, it / nb, it % nb);
   }
   if (first < items) tl_done(2);
 }
@@ -1206,7 +1214,7 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   const int num_tiles = tile_e[kMaxTiles];
   for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
     if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, true, true>(a, tile, blockIdx.x, tile_e, sorted);
+    gemm_tile<BT, WM, NW, NK, KG, ST, true, true, kDecodeEarly>(a, tile, blockIdx.x, tile_e, sorted);
   }
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(1);
 }
