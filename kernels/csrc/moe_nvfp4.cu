@@ -1352,6 +1352,62 @@ __device__ __forceinline__ void issue_unit(uint32_t (&af)[WM][U][4], float (&acc
   wgmma_commit();
 }
 
+// The copy sources of a v8 block's weights and scales (fixed for the whole K loop: stage kt adds
+// kt stages) and one stage's copies of them into the ring slot at base (v8_tile, and the early
+// copies of moe_gemm_v8_kernel).
+template <typename S>
+__device__ __forceinline__ void v8_weight_srcs(const GemmArgs& a, const int e, const int mt0,
+                                               const uint4* (&wsrc)[S::kWPer],
+                                               const uint4* (&ssrc)[S::kSPer]) {
+  constexpr int T = S::kThreads, KG = S::kBK / 64;
+  const int tid = threadIdx.x;
+  const int kg_count = a.k / 64;
+  const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
+  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 8;
+#pragma unroll
+  for (int i = 0; i < S::kWPer; ++i) {
+    const int c = tid + i * T;
+    wsrc[i] = codes_e + static_cast<long long>(c / (KG * 32)) * kg_count * 32 + c % (KG * 32);
+  }
+#pragma unroll
+  for (int i = 0; i < S::kSPer; ++i) {
+    const int c = tid + i * T;
+    ssrc[i] = scales_e + static_cast<long long>(c / (KG * 8)) * kg_count * 8 + c % (KG * 8);
+  }
+}
+template <typename S>
+__device__ __forceinline__ void v8_copy_weights(const uint32_t base,
+                                                const uint4* const (&wsrc)[S::kWPer],
+                                                const uint4* const (&ssrc)[S::kSPer],
+                                                const int kt) {
+  constexpr int T = S::kThreads, KG = S::kBK / 64;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < S::kWPer; ++i) {
+    const int c = tid + i * T;
+    if (S::kWChunks % T == 0 || c < S::kWChunks)
+      cp_async16(base + S::kABytes + c * 16, wsrc[i] + kt * (KG * 32), 16);
+  }
+#pragma unroll
+  for (int i = 0; i < S::kSPer; ++i) {
+    const int c = tid + i * T;
+    if (S::kSChunks % T == 0 || c < S::kSChunks)
+      cp_async16(base + S::kABytes + S::kWBytes + c * 16, ssrc[i] + kt * (KG * 8), 16);
+  }
+}
+// Stages whose weights moe_gemm_v8_kernel issues before reading its tile's token indices
+// (-DEXPERTD_V8_EARLY=1, an experiment; 0, the default: none): ring 2's prologue (ST - 1
+// stages). They join stage 0's commit group in v8_tile. Not ring 3: at BT 96 it spilled 8-12
+// bytes (ptxas, session 16).
+#ifndef EXPERTD_V8_EARLY
+#define EXPERTD_V8_EARLY 0
+#endif
+constexpr bool kV8Early = EXPERTD_V8_EARLY != 0;
+template <int ST, int RING>
+constexpr int v8_early_stages() {
+  return kV8Early && RING == 2 ? ST - 1 : 0;
+}
+
 // One work item (tile x n-block) with wgmma width N <= BT: the tile's first N rows (its valid
 // routes rounded up to 16; the rest is padding whose accumulators stay 0). Warp w owns m-tiles
 // mt0 + w WM + j for all of K. Per stage each warp dequantizes its A fragments into registers,
@@ -1372,30 +1428,17 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
                                         const int e, const int (&row_off)[BT],
                                         float (&red)[NWG * 4][BT], uint8_t* smem_raw) {
   using S = WgShape<BT, NWG, WM, KG, ST, MB>;
-  constexpr int T = S::kThreads;
   constexpr int NT = BT / 8;
   const int mt0 = xb * S::kMTiles;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int kt_count = a.k / S::kBK;
-  const int kg_count = a.k / 64;
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t smem0 = (raw + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem0 - raw);
 
-  const uint4* codes_e = a.codes + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 32;
-  const uint4* scales_e = a.scales + (static_cast<long long>(e) * a.mt + mt0) * kg_count * 8;
   const uint4* wsrc[S::kWPer];
   const uint4* ssrc[S::kSPer];
-#pragma unroll
-  for (int i = 0; i < S::kWPer; ++i) {
-    const int c = tid + i * T;
-    wsrc[i] = codes_e + static_cast<long long>(c / (KG * 32)) * kg_count * 32 + c % (KG * 32);
-  }
-#pragma unroll
-  for (int i = 0; i < S::kSPer; ++i) {
-    const int c = tid + i * T;
-    ssrc[i] = scales_e + static_cast<long long>(c / (KG * 8)) * kg_count * 8 + c % (KG * 8);
-  }
+  v8_weight_srcs<S>(a, e, mt0, wsrc, ssrc);
   // Token copies: a thread's 16-byte column (k-group, chunk) of rows a_row0 + i * pass; every
   // such row has the same row % 8, so one swizzled destination column. Sources fixed for the
   // whole K loop (stage kt adds kt * BK). Rows >= N: never copied (the wgmmas read N rows);
@@ -1413,26 +1456,25 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     aoff[i] = (ro >= 0 ? ro : 0) + a_ch * 8;
   }
 
-  auto load_stage = [&](int slot, int kt) {
+  auto load_tokens = [&](int slot, int kt) {
     const uint32_t base = smem0 + slot * S::kStageBytes;
-#pragma unroll
-    for (int i = 0; i < S::kWPer; ++i) {
-      const int c = tid + i * T;
-      if (S::kWChunks % T == 0 || c < S::kWChunks)
-        cp_async16(base + S::kABytes + c * 16, wsrc[i] + kt * (KG * 32), 16);
-    }
-#pragma unroll
-    for (int i = 0; i < S::kSPer; ++i) {
-      const int c = tid + i * T;
-      if (S::kSChunks % T == 0 || c < S::kSChunks)
-        cp_async16(base + S::kABytes + S::kWBytes + c * 16, ssrc[i] + kt * (KG * 8), 16);
-    }
 #pragma unroll
     for (int i = 0; i < S::kAPer; ++i) {
       if (a_row0 + i * S::kRowsPerPass < N && (areal[i] || kt < ST))
         cp_async16(base + a_dst0 + i * S::kRowsPerPass * 128, a.act_in + (aoff[i] + kt * S::kBK),
                    areal[i] ? 16 : 0);
     }
+  };
+  auto load_stage = [&](int slot, int kt) {
+    v8_copy_weights<S>(smem0 + slot * S::kStageBytes, wsrc, ssrc, kt);
+    load_tokens(slot, kt);
+  };
+  // The prologue's stages: tokens only where moe_gemm_v8_kernel issued the weights early.
+  auto load_first = [&](int s) {
+    if (s < v8_early_stages<ST, RING>())
+      load_tokens(s, s);
+    else
+      load_stage(s, s);
   };
 
   float acc[WM][BT / 2];
@@ -1457,7 +1499,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     uint32_t afa[WM][U][4], afb[WM][U][4];
 #pragma unroll
     for (int s = 0; s < D; ++s) {
-      if (s < kt_count) load_stage(s, s);
+      if (s < kt_count) load_first(s);
       cp_async_commit();
     }
     cp_async_wait<D - 1>();
@@ -1506,7 +1548,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   } else {
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-      if (s < kt_count) load_stage(s, s);
+      if (s < kt_count) load_first(s);
       cp_async_commit();
     }
     // Below BT 96 (the ring 2 tiles of the defaults) the loop is unrolled by ST: stage kt0 + s
@@ -1591,6 +1633,18 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
   __shared__ float red[NWG * 4][BT];
   __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
   const int tid = threadIdx.x;
+  if constexpr (v8_early_stages<ST, RING>() > 0) {  // the prologue's weights, before the indices
+    using S = WgShape<BT, NWG, WM, KG, ST, MB>;
+    const uint4* wsrc[S::kWPer];
+    const uint4* ssrc[S::kSPer];
+    v8_weight_srcs<S>(a, e, blockIdx.x * S::kMTiles, wsrc, ssrc);
+    const uint32_t raw = smem_addr(smem_raw);
+    const uint32_t smem0 = (raw + 1023u) & ~1023u;
+    const int kt_count = a.k / S::kBK;
+#pragma unroll
+    for (int s = 0; s < v8_early_stages<ST, RING>(); ++s)
+      if (s < kt_count) v8_copy_weights<S>(smem0 + s * S::kStageBytes, wsrc, ssrc, s);
+  }
   bool valid = false;
   if (tid < BT) {
     const int pos = tile * BT + tid;
