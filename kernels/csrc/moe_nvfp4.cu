@@ -824,11 +824,10 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // caller's __syncthreads separates two items.
 // SELF: the call's routing comes from the caller's shared memory (self_tile_e[tile], self_sorted
 // by position: moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
-// EARLY (the one-tile grid, moe_gemm_kernel): the first ST - 1 stages' weights and scales are
-// issued as soon as the expert is known, before the token rows' indices (a dependent global
-// load and a barrier); they join stage 0's commit group. H200, session 16 call 13, in every v6
-// GEMM: M = 16 0.972 / 0.968, but M = 1 1.021 / 1.006 and 2 1.009 / 1.005 (the decode loop,
-// self-routed and spread kernels keep the order before).
+// EARLY: weights and scales issued as soon as the expert is known, before the token rows'
+// indices (a dependent global load and a barrier), joining stage 0's commit group: 1 = the first
+// ST - 1 stages' (the one-tile grid, moe_gemm_kernel: session 16 call 13, M = 16 0.972 /
+// 0.968), 2 = stage 0's only (the decode kernels: session 17; 1 lost there), 0 = none.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false,
           int EARLY = 0>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
@@ -1002,12 +1001,19 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
 }
 
-// The early weight copies in the decode kernels (loop, spread, self-routed): a compile-time
-// experiment (-DEXPERTD_DECODE_EARLY=1: the first ST - 1 stages, 2: stage 0 only; 0, the
-// default: the order before). Session 16 measured 1 at M = 1-2: 1.005-1.021 (slower).
+// The early weight copies in the decode kernels (loop, spread, self-routed): stage 0's weights
+// only (2, the default; -DEXPERTD_DECODE_EARLY=1: the first ST - 1 stages, 0: none, the order
+// before). H200, session 17 call 1, library A/B, 2 rounds, against 0: M = 1 0.984 / 0.991, 2
+// 0.972 / 0.977, 4 0.971 / 0.973, 8 0.976 / 0.977; 1 lost there (1.017 / 1.022 at M = 1,
+// 1.008 / 1.009 at 2, 0.998-1.006 at 4-8; session 16 call 13 too).
+// The one-tile grid (moe_gemm_kernel) takes its own form: EXPERTD_GRID_EARLY (default 1).
 #ifndef EXPERTD_DECODE_EARLY
-#define EXPERTD_DECODE_EARLY 0
+#define EXPERTD_DECODE_EARLY 2
 #endif
+#ifndef EXPERTD_GRID_EARLY
+#define EXPERTD_GRID_EARLY 1
+#endif
+constexpr int kGridEarly = EXPERTD_GRID_EARLY;
 constexpr int kDecodeEarly = EXPERTD_DECODE_EARLY;
 
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
@@ -1018,7 +1024,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, 1>(a, tile, blockIdx.x);
+  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
   tl_done(GATED ? 1 : 2);
 }
 
