@@ -347,6 +347,35 @@ def test_route_warp_tables_bit_identical(case, backend, monkeypatch, m, bt, thre
     _check(got, reference_forward(layer, x, ids, w), f"{preset.name} M {m} warp tables")
 
 
+@pytest.mark.parametrize(
+    "m,f,gemms", [(100, "1", "3"), (100, "2", "2"), (160, "2", "1"), (130, "", "")]
+)
+def test_one_tile_rows_bit_identical(case, backend, monkeypatch, m, f, gemms):
+    """The one-tile v6 grids on R < t_max rows (moe_gemm_kernel<..., OVF>: tiles past R run on
+    the rows' blocks in turn) against every tile on a row of its own (EXPERTD_KERNEL_OVF=0): the
+    same bits, with most routes local so that the call has more tiles than R (the loop runs)."""
+    preset, layer, state = case
+    ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + 5)
+    ids = ids.cpu()
+    gen = torch.Generator().manual_seed(m)
+    local = [int(e) for e in layer.experts]
+    for t in range(m):  # up to 4 local routes per token, each token's ids kept distinct
+        ids[t, :4] = -1
+        for j, e in enumerate(torch.randperm(len(local), generator=gen)[:4].tolist()):
+            if local[e] not in ids[t].tolist():
+                ids[t, j] = local[e]
+    ids = ids.cuda()
+    x = torch.randn((m, preset.hidden_size), generator=torch.Generator().manual_seed(m + 9))
+    x = x.to(torch.bfloat16).cuda()
+    if gemms:
+        monkeypatch.setenv("EXPERTD_KERNEL_OVF_GEMMS", gemms)
+    what = f"{preset.name} M {m} OVF {f or 'default'} GEMMs {gemms or 'default'}"
+    got = _same_bits_under(
+        monkeypatch, backend, state, (x, ids, w), "EXPERTD_KERNEL_OVF", "0", f, what, bt=8
+    )
+    _check(got, reference_forward(layer, x, ids, w), what)
+
+
 @pytest.mark.parametrize("bt", [8, 32, 96, 160])
 def test_route_balance_bit_identical(case, backend, monkeypatch, bt):
     """Tiles filled in order (the default) or round-robin (EXPERTD_KERNEL_ROUTE_BALANCE=1): the

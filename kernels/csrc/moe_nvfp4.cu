@@ -1017,14 +1017,28 @@ constexpr int kGridEarly = EXPERTD_GRID_EARLY;
 constexpr int kDecodeEarly = EXPERTD_DECODE_EARLY;
 
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
-template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED>
+// OVF: grid (n-blocks, R) with R < t_max rows (one_tile_rows): block row y runs tile y, then
+// (only when the call has more than R tiles) y + R, y + 2R, ... The worst-case grid is mostly
+// blocks past num_tiles (at M = 128 ~80%), dispatched after every real block: the timelines
+// show them entering up to 10 us after the last real block is done, the next kernel launching
+// only behind them. Spreading them among the real ones instead (tiles along x) was slower (1.02-
+// 1.03 at M = 16-64, session 17 call 3), as was the loop kernel on capped rows (1.03 at M = 16-
+// 64: its code; 0.98 at M = 128: the exits it saves, call 4).
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool OVF = false>
 __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
   tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
-  if (tile >= *a.num_tiles) return;
+  const int num_tiles = *a.num_tiles;
+  if (tile >= num_tiles) return;
   gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
+  if constexpr (OVF) {
+    for (int t = tile + gridDim.y; t < num_tiles; t += gridDim.y) {
+      __syncthreads();  // the last item's memory is free
+      gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, t, blockIdx.x);
+    }
+  }
   tl_done(GATED ? 1 : 2);
 }
 
@@ -2145,6 +2159,34 @@ bool use_self_route(int path, int bt, long long routes, int el, int rows, int t_
          rows < t_max;
 }
 
+// Rows of the one-tile v6 grids (moe_gemm_kernel<..., OVF>, BT 8): t_max (every tile the call
+// could have, all routes local) or, with OVF, R = min(t_max, ceil(L / BT) + min(L, El)) for L =
+// F x the local routes expected under uniform routing (F = EXPERTD_KERNEL_OVF, default 2; 0:
+// never): the tiles past R run on the rows' blocks in turn. GEMM2 takes R from 512 routes, GEMM1
+// from 1024 (M = 64 / 128 at top-8; EXPERTD_KERNEL_OVF_GEMMS = bit 0 GEMM1 | bit 1 GEMM2 forces
+// them). H200, session 17 call 6, paired with the full grids (F = 2, same bits): GEMM2 alone M =
+// 32 0.998, 64 0.997, 96 0.985, 128 0.973; GEMM1 alone 1.008, 1.018, 0.998, 0.986; both 1.019,
+// 1.016, 0.992, 0.959 (call 5, both: M = 16 1.002, 32 1.021, 64 1.018, 96 0.991, 128 0.966).
+constexpr long long kOvfG2MinRoutes = 512;
+constexpr long long kOvfG1MinRoutes = 1024;
+struct OneTileRows {
+  int g1, g2;
+};
+OneTileRows one_tile_rows(int t_max, long long routes, int el, int num_experts, int bt) {
+  const char* v = getenv("EXPERTD_KERNEL_OVF");
+  const int f = (v && v[0]) ? atoi(v) : 2;
+  if (f <= 0 || bt != 8) return {t_max, t_max};
+  const long long local = num_experts > el ? (routes * el + num_experts - 1) / num_experts : routes;
+  const long long hit = f * local < el ? f * local : el;  // experts with a route, at most
+  const long long bound = (f * local + bt - 1) / bt + hit;
+  const int r = bound < t_max ? static_cast<int>(bound) : t_max;
+  const char* g = getenv("EXPERTD_KERNEL_OVF_GEMMS");
+  const int which = (g && g[0]) ? atoi(g)
+                                : (routes >= kOvfG1MinRoutes ? 1 : 0) |
+                                      (routes >= kOvfG2MinRoutes ? 2 : 0);
+  return {which & 1 ? r : t_max, which & 2 ? r : t_max};
+}
+
 // The launch of GEMM2 at decode (moe_gemm_spread_kernel): grid, dynamic shared memory, spread_sms.
 struct SpreadLaunch {
   dim3 grid;
@@ -2255,7 +2297,8 @@ constexpr int loop_mb() {
 template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
           int S2>
 int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, long long routes,
-                 int h, int inter, cudaStream_t stream, const SelfRoute* self) {
+                 int h, int inter, cudaStream_t stream, const SelfRoute* self,
+                 OneTileRows ovf) {
   using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
   using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
   if (t_max == 0) return 0;
@@ -2265,11 +2308,19 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, lo
   // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
   // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  if (rows >= t_max)
-    return launch_gemm_pair("moe_gemm (gate/up)", moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>,
-                            dim3(nx1, t_max), Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)",
-                            moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, dim3(nx2, t_max),
-                            Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
+  if (rows >= t_max) {
+    // rows below t_max: the OVF instances (one_tile_rows; compiled at BT 8 only)
+    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, false>;
+    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, false>;
+    if constexpr (BT == 8) {
+      if (ovf.g1 < t_max) k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>;
+      if (ovf.g2 < t_max) k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>;
+    }
+    return launch_gemm_pair("moe_gemm (gate/up)", k1, dim3(nx1, BT == 8 ? ovf.g1 : t_max),
+                            Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)", k2,
+                            dim3(nx2, BT == 8 ? ovf.g2 : t_max), Sh2::kThreads, Sh2::kSmemBytes,
+                            g1, g2, stream);
+  }
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
   const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
   const dim3 grid1(nx1, rows), block1(Sh1::kThreads);
@@ -2328,7 +2379,11 @@ int set_smem_attrs() {
     return check_launch("cudaFuncSetAttribute");
   if constexpr (BT == 8) {
     constexpr int spread_smem = Sh2::kSmemBytes > kSpreadMaxSmem ? Sh2::kSmemBytes : kSpreadMaxSmem;
-    if (cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, attr,
+    if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>, attr,
+                             Sh1::kSmemBytes) != cudaSuccess ||
+        cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>, attr,
+                             Sh2::kSmemBytes) != cudaSuccess ||
+        cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, attr,
                              Sh1::kSmemBytes) != cudaSuccess ||
         cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, loop_mb<BT, N1 * NK1>()>,
                              attr, Sh1::kSmemBytes) != cudaSuccess ||
@@ -2586,6 +2641,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                      c.tile_expert,  c.sorted_route, c.pos_of_route, routes,
                      a.num_experts,  a.el};
   const int rows = grid_rows(p.t_max, routes);  // v6's grid rows (v8: the full grid)
+  const OneTileRows ovf = one_tile_rows(p.t_max, routes, a.el, a.num_experts, bt);
   const bool self = use_self_route(path, bt, routes, a.el, rows, p.t_max);
   if (self) {
     // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
@@ -2632,7 +2688,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (path != 8 && !alt && bt == BT) {                                                      \
     launched = true;                                                                        \
     rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
-        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr);         \
+        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr, ovf);    \
   }
   EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
 #undef EXPERTD_DISPATCH
@@ -2640,7 +2696,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (alt == ID && bt == BT) {                                                              \
     launched = true;                                                                        \
     rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
-        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr);         \
+        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr, ovf);    \
   }
   EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
 #undef EXPERTD_DISPATCH_ALT
