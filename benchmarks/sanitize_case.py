@@ -1,7 +1,9 @@
 """A small forward for compute-sanitizer (memcheck / racecheck / initcheck): preset `small`, a
 shard of 16 experts, a few token counts and every compiled tile size; then a layer whose H and I
 are multiples of 512, where BT 8 calls run the decode alternatives (28 at M = 1, on a grid of 2
-rows; 13 below 128 routes; 18 from 128 routes). Exits non-zero on a wrong result.
+rows; 13 below 128 routes; 18 from 128 routes; from 512 routes the one-tile grids on fewer rows
+than t_max, and a call with every route local so that their blocks loop over further tiles).
+Exits non-zero on a wrong result.
 Run: compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py"""
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def main() -> int:
     runs = (
         # v8 at BT 16 and from 32; M = 2100: 16800 routes, multi-block routing
         (PRESETS["small"], (*cases, (260, 128), (300, 144), (340, 160), (700, 0), (2100, 0))),
-        (Preset("k512", 512, 512, 64, 8), ((1, 0), (5, 8), (40, 8))),  # decode alternatives
+        # decode alternatives; bt < 0: every route local
+        (Preset("k512", 512, 512, 64, 8), ((1, 0), (5, 8), (40, 8), (140, 8), (140, -8))),
     )
     backend = CudaBackend("cuda")
     for preset, ms in runs:
@@ -36,7 +39,10 @@ def run(backend, preset, cases, gen) -> float:
     state = backend.prepare(layer.to("cuda"))
     worst = 0.0
     for m, bt in cases:
-        ids = torch.stack([torch.randperm(preset.num_experts, generator=gen)[:8] for _ in range(m)])
+        pool = 16 if bt < 0 else preset.num_experts  # the shard's experts are 16..31
+        ids = torch.stack([torch.randperm(pool, generator=gen)[:8] for _ in range(m)])
+        ids += 16 if bt < 0 else 0
+        bt = abs(bt)
         ids = ids.to(torch.int32)
         ids[0, 0] = -1
         w = torch.rand((m, 8), generator=gen)
