@@ -30,6 +30,12 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
                                        experiment); default: in order
     EXPERTD_KERNEL_GRID_ROWS           v6 grid rows cap (blocks loop over tiles; same bits); 0:
                                        none; unset: 2 for calls of <= 64 routes
+    EXPERTD_KERNEL_OVF                 F: one-tile v6 grids (BT 8) on ceil(F L / 8) + min(F L, El)
+                                       rows, L the local routes uniform routing expects, later
+                                       tiles looped over (same bits); 0: one row per possible
+                                       tile; unset: 2, for GEMM2 from 512 routes, GEMM1 from 1024
+    EXPERTD_KERNEL_OVF_GEMMS           which GEMMs take those rows: bit 0 GEMM1, bit 1 GEMM2
+                                       (an A/B switch); unset: by call size as above
     EXPERTD_KERNEL_DECODE_ALT          v6 configuration alternative id (moe_nvfp4.cu); unset:
                                        28 / 13 / 18 for BT 8 calls of <= 8 / < 128 routes / more
                                        where H and I are multiples of 512; 0: the table's
