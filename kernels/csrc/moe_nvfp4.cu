@@ -1415,18 +1415,6 @@ __device__ __forceinline__ void v8_copy_weights(const uint32_t base,
       cp_async16(base + S::kABytes + S::kWBytes + c * 16, ssrc[i] + kt * (KG * 8), 16);
   }
 }
-// Stages whose weights moe_gemm_v8_kernel issues before reading its tile's token indices
-// (-DEXPERTD_V8_EARLY=1, an experiment; 0, the default: none): ring 2's prologue (ST - 1
-// stages). They join stage 0's commit group in v8_tile. Not ring 3: at BT 96 it spilled 8-12
-// bytes (ptxas, session 16).
-#ifndef EXPERTD_V8_EARLY
-#define EXPERTD_V8_EARLY 0
-#endif
-constexpr bool kV8Early = EXPERTD_V8_EARLY != 0;
-template <int ST, int RING>
-constexpr int v8_early_stages() {
-  return kV8Early && RING == 2 ? ST - 1 : 0;
-}
 
 // One work item (tile x n-block) with wgmma width N <= BT: the tile's first N rows (its valid
 // routes rounded up to 16; the rest is padding whose accumulators stay 0). Warp w owns m-tiles
@@ -1489,13 +1477,6 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     v8_copy_weights<S>(smem0 + slot * S::kStageBytes, wsrc, ssrc, kt);
     load_tokens(slot, kt);
   };
-  // The prologue's stages: tokens only where moe_gemm_v8_kernel issued the weights early.
-  auto load_first = [&](int s) {
-    if (s < v8_early_stages<ST, RING>())
-      load_tokens(s, s);
-    else
-      load_stage(s, s);
-  };
 
   float acc[WM][BT / 2];
 #pragma unroll
@@ -1519,7 +1500,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     uint32_t afa[WM][U][4], afb[WM][U][4];
 #pragma unroll
     for (int s = 0; s < D; ++s) {
-      if (s < kt_count) load_first(s);
+      if (s < kt_count) load_stage(s, s);
       cp_async_commit();
     }
     cp_async_wait<D - 1>();
@@ -1568,7 +1549,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
   } else {
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-      if (s < kt_count) load_first(s);
+      if (s < kt_count) load_stage(s, s);
       cp_async_commit();
     }
     // Below BT 96 (the ring 2 tiles of the defaults) the loop is unrolled by ST: stage kt0 + s
@@ -1653,18 +1634,6 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
   __shared__ float red[NWG * 4][BT];
   __shared__ int row_off[BT];  // element offset of each token row in act_in, -1 = padding
   const int tid = threadIdx.x;
-  if constexpr (v8_early_stages<ST, RING>() > 0) {  // the prologue's weights, before the indices
-    using S = WgShape<BT, NWG, WM, KG, ST, MB>;
-    const uint4* wsrc[S::kWPer];
-    const uint4* ssrc[S::kSPer];
-    v8_weight_srcs<S>(a, e, blockIdx.x * S::kMTiles, wsrc, ssrc);
-    const uint32_t raw = smem_addr(smem_raw);
-    const uint32_t smem0 = (raw + 1023u) & ~1023u;
-    const int kt_count = a.k / S::kBK;
-#pragma unroll
-    for (int s = 0; s < v8_early_stages<ST, RING>(); ++s)
-      if (s < kt_count) v8_copy_weights<S>(smem0 + s * S::kStageBytes, wsrc, ssrc, s);
-  }
   bool valid = false;
   if (tid < BT) {
     const int pos = tile * BT + tid;
