@@ -2148,7 +2148,7 @@ OneTileRows one_tile_rows(int t_max, long long routes, int el, int num_experts, 
   const long long local = num_experts > el ? (routes * el + num_experts - 1) / num_experts : routes;
   const long long hit = f * local < el ? f * local : el;  // experts with a route, at most
   const long long bound = (f * local + bt - 1) / bt + hit;
-  const int r = bound < t_max ? static_cast<int>(bound) : t_max;
+  const int r = bound >= 1 && bound < t_max ? static_cast<int>(bound) : t_max;  // 0: no experts
   const char* g = getenv("EXPERTD_KERNEL_OVF_GEMMS");
   const int which = (g && g[0]) ? atoi(g)
                                 : (routes >= kOvfG1MinRoutes ? 1 : 0) |
