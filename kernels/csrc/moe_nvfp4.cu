@@ -459,28 +459,22 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
       for (int t = off_l / bt; t < incl / bt; ++t) tile_expert[t] = lane;
       for (int p = off_l + c; p < incl; ++p) sorted_route[p] = -1;
     }
-#pragma unroll
-    for (int i = 0; i < kCached; ++i) {
-      const int r = tid + i * THREADS;
-      const int e = cached[i];
+    // Route r (expert e, -1: not local) at its expert's first position (lane e's off_l) plus
+    // its place among the expert's routes; every lane of the warp calls it (the shuffle).
+    auto place = [&](const int r, const int e) {
       const int oe = __shfl_sync(kAll, off_l, e & 31);
       if (r < num_routes) {
         const int p = e >= 0 ? oe + atomicAdd(&fill[e], 1) : -1;
         if (e >= 0) sorted_route[p] = r;
         pos_of_route[r] = p;
       }
-    }
+    };
+#pragma unroll
+    for (int i = 0; i < kCached; ++i) place(tid + i * THREADS, cached[i]);
     // routes past the cached ones: warp-uniform trip count (the shuffle needs every lane)
     for (int r0 = kCached * THREADS + (tid - lane); r0 < num_routes; r0 += THREADS) {
       const int r = r0 + lane;
-      const int e =
-          r < num_routes ? local_expert(topk_ids, local_of, first, r, num_experts, el) : -1;
-      const int oe = __shfl_sync(kAll, off_l, e & 31);
-      if (r < num_routes) {
-        const int p = e >= 0 ? oe + atomicAdd(&fill[e], 1) : -1;
-        if (e >= 0) sorted_route[p] = r;
-        pos_of_route[r] = p;
-      }
+      place(r, r < num_routes ? local_expert(topk_ids, local_of, first, r, num_experts, el) : -1);
     }
     tl_done(0);
     return;
@@ -1373,8 +1367,7 @@ __device__ __forceinline__ void issue_unit(uint32_t (&af)[WM][U][4], float (&acc
 }
 
 // The copy sources of a v8 block's weights and scales (fixed for the whole K loop: stage kt adds
-// kt stages) and one stage's copies of them into the ring slot at base (v8_tile, and the early
-// copies of moe_gemm_v8_kernel).
+// kt stages) and one stage's copies of them into the ring slot at base (v8_tile).
 template <typename S>
 __device__ __forceinline__ void v8_weight_srcs(const GemmArgs& a, const int e, const int mt0,
                                                const uint4* (&wsrc)[S::kWPer],
@@ -2281,14 +2274,20 @@ int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, lo
     // rows below t_max: the OVF instances (one_tile_rows; compiled at BT 8 only)
     auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, false>;
     auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, false>;
+    int rows1 = t_max, rows2 = t_max;
     if constexpr (BT == 8) {
-      if (ovf.g1 < t_max) k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>;
-      if (ovf.g2 < t_max) k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>;
+      if (ovf.g1 < t_max) {
+        k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>;
+        rows1 = ovf.g1;
+      }
+      if (ovf.g2 < t_max) {
+        k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>;
+        rows2 = ovf.g2;
+      }
     }
-    return launch_gemm_pair("moe_gemm (gate/up)", k1, dim3(nx1, BT == 8 ? ovf.g1 : t_max),
-                            Sh1::kThreads, Sh1::kSmemBytes, "moe_gemm (down)", k2,
-                            dim3(nx2, BT == 8 ? ovf.g2 : t_max), Sh2::kThreads, Sh2::kSmemBytes,
-                            g1, g2, stream);
+    return launch_gemm_pair("moe_gemm (gate/up)", k1, dim3(nx1, rows1), Sh1::kThreads,
+                            Sh1::kSmemBytes, "moe_gemm (down)", k2, dim3(nx2, rows2),
+                            Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
   }
   constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
   const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
