@@ -440,8 +440,7 @@ def test_self_route_bit_identical(case, backend, monkeypatch, m):
 @pytest.mark.parametrize("rows", [1, 2, 6])
 def test_v6_capped_grid_rows_bit_identical(case, backend, monkeypatch, rows):
     """v6 grids of fewer rows than tiles (EXPERTD_KERNEL_GRID_ROWS; by default 2 at <= 64
-    routes: blocks loop over tiles) compute the same bits as one row per
-    possible tile."""
+    routes: blocks loop over tiles) compute the same bits as one row per possible tile."""
     preset, layer, state = case
     for m, bt in ((1, 8), (3, 8), (40, 8), (40, 24)):
         ids, w = _routes(m, preset.num_experts, preset.top_k, seed=m + bt)
