@@ -1026,12 +1026,15 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   tl_mark(GATED ? 1 : 2, 1);
   const int num_tiles = *a.num_tiles;
   if (tile >= num_tiles) return;
-  gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
   if constexpr (OVF) {
-    for (int t = tile + gridDim.y; t < num_tiles; t += gridDim.y) {
-      __syncthreads();  // the last item's memory is free
+    // One call site: the second gemm_tile of a tile-then-loop form doubled the kernel's code
+    // (ptxas inlines both) and cost GEMM1 1.8% at M = 32-64 (session 17).
+    for (int t = tile; t < num_tiles; t += gridDim.y) {
+      if (t != tile) __syncthreads();  // the last item's memory is free
       gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, t, blockIdx.x);
     }
+  } else {
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
   }
   tl_done(GATED ? 1 : 2);
 }
