@@ -1027,8 +1027,8 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   const int num_tiles = *a.num_tiles;
   if (tile >= num_tiles) return;
   if constexpr (OVF) {
-    // One call site: the second gemm_tile of a tile-then-loop form doubled the kernel's code
-    // (ptxas inlines both) and cost GEMM1 1.8% at M = 32-64 (session 17).
+    // One gemm_tile call site (session 18): half the code of the tile-then-loop form, whose two
+    // calls ptxas inlined both; the same time (H200, paired, M = 64-128: 0.998-1.005).
     for (int t = tile; t < num_tiles; t += gridDim.y) {
       if (t != tile) __syncthreads();  // the last item's memory is free
       gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, t, blockIdx.x);
