@@ -1010,6 +1010,17 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
 constexpr int kGridEarly = EXPERTD_GRID_EARLY;
 constexpr int kDecodeEarly = EXPERTD_DECODE_EARLY;
 
+// Block row y of a grid with fewer rows than tiles: tiles y, y + rows, ... (the loop kernel, the
+// one-tile grid's OVF instances).
+template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, int EARLY>
+__device__ __forceinline__ void gemm_tile_rows(const GemmArgs& a, const int num_tiles) {
+  const int first = blockIdx.y;
+  for (int tile = first; tile < num_tiles; tile += gridDim.y) {
+    if (tile != first) __syncthreads();  // the last item's memory is free
+    gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, EARLY>(a, tile, blockIdx.x);
+  }
+}
+
 // v6: grid (n-blocks, t_max); blocks past num_tiles exit.
 // OVF: grid (n-blocks, R) with R < t_max rows (one_tile_rows): block row y runs tile y, then
 // (only when the call has more than R tiles) y + R, y + 2R, ... The worst-case grid is mostly
@@ -1029,10 +1040,7 @@ __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a
   if constexpr (OVF) {
     // One gemm_tile call site (session 18): half the code of the tile-then-loop form, whose two
     // calls ptxas inlined both; the same time (H200, paired, M = 64-128: 0.998-1.005).
-    for (int t = tile; t < num_tiles; t += gridDim.y) {
-      if (t != tile) __syncthreads();  // the last item's memory is free
-      gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, t, blockIdx.x);
-    }
+    gemm_tile_rows<BT, WM, NW, NK, KG, ST, GATED, kGridEarly>(a, num_tiles);
   } else {
     gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
   }
@@ -1052,10 +1060,7 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   pdl_wait();
   tl_mark(GATED ? 1 : 2, 1);
   const int num_tiles = *a.num_tiles;
-  for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
-    if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kDecodeEarly>(a, tile, blockIdx.x);
-  }
+  gemm_tile_rows<BT, WM, NW, NK, KG, ST, GATED, kDecodeEarly>(a, num_tiles);
   if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
 }
 
