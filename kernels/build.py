@@ -20,7 +20,7 @@ Read by the library per call (a CUDA graph keeps what it was captured with):
                             forces nothing)
     EXPERTD_KERNEL_WG_RING  v8 ring (same bits): 2 block barrier, copies after the stage's
                             wgmmas; 3 ring 2 with the next unit dequantized under the current
-                            unit's wgmmas. Default: 3 from BT 96, 2 below
+                            unit's wgmmas. Default: 3 at BT 48 and from BT 96, 2 at 16, 32, 64
     EXPERTD_KERNEL_WG_FULLN 1: every v8 tile runs wgmma N = BT, not its routes rounded up to 8
                             (BT 16) or 16 (same bits; an A/B switch)
     EXPERTD_KERNEL_WG_MIN_N 16: no v8 tile runs an MMA narrower than 16 (same bits; A/B)

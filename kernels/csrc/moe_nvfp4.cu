@@ -1426,9 +1426,10 @@ __device__ __forceinline__ void v8_copy_weights(const uint32_t base,
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
 // are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING 2 (the default below BT 96): the block-barrier ring with a stage's copies issued after its
-// wgmmas, not before its dequantization (the math starts right at the barrier; the slot refilled
-// is stage kt - 1's, which the barrier already freed). RING 3 (from BT 96): ring 2 pipelined, the
+// RING 2 (the default at BT 16, 32 and 64): the block-barrier ring with a stage's copies issued
+// after its wgmmas, not before its dequantization (the math starts right at the barrier; the slot
+// refilled is stage kt - 1's, which the barrier already freed). RING 3 (BT 48 and from BT 96,
+// wg_ring): ring 2 pipelined, the
 // next unit dequantized under the current unit's wgmmas. Both compute the same bits. (Rings 0,
 // copies before the math, and 1, mbarriers instead of the block barrier, were removed in session
 // 6: slower or racecheck-unclear; NOTES.md.)
@@ -1904,11 +1905,14 @@ int wg_min_rows() {
 // against the removed ring 0 (copies before the math): M = 256 0.99, 1024 1.00, 2048 0.96,
 // 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
 // 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
-// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there.
+// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there. Session 19 (calls 4-5, 7
+// rounds), 3 / 2 on today's kernels: BT 48 (M = 1024) 0.984-0.997 in all 7, M = 896 0.977-1.019,
+// 1152 0.90-1.07; BT 16 / 32 1.02 / 1.00-1.14 (M = 256 / 512-768); BT 64 1.006-1.017 at M = 1280,
+// 0.95-1.04 at 1536-1792; ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3 at BT 48 and from 96.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
-  return bt >= 96 ? 3 : 2;
+  return bt == 48 || bt >= 96 ? 3 : 2;
 }
 
 // Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
