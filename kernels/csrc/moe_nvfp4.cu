@@ -1429,10 +1429,9 @@ __device__ __forceinline__ void v8_copy_weights(const uint32_t base,
 // RING 2 (the default at BT 16, 32 and 64): the block-barrier ring with a stage's copies issued
 // after its wgmmas, not before its dequantization (the math starts right at the barrier; the slot
 // refilled is stage kt - 1's, which the barrier already freed). RING 3 (BT 48 and from BT 96,
-// wg_ring): ring 2 pipelined, the
-// next unit dequantized under the current unit's wgmmas. Both compute the same bits. (Rings 0,
-// copies before the math, and 1, mbarriers instead of the block barrier, were removed in session
-// 6: slower or racecheck-unclear; NOTES.md.)
+// wg_ring): ring 2 pipelined, the next unit dequantized under the current unit's wgmmas. Both
+// compute the same bits. (Rings 0, copies before the math, and 1, mbarriers instead of the block
+// barrier, were removed in session 6: slower or racecheck-unclear; NOTES.md.)
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, int RING>
 __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
                                         const int e, const int (&row_off)[BT],
@@ -1908,7 +1907,8 @@ int wg_min_rows() {
 // 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there. Session 19 (calls 4-5, 7
 // rounds), 3 / 2 on today's kernels: BT 48 (M = 1024) 0.984-0.997 in all 7, M = 896 0.977-1.019,
 // 1152 0.90-1.07; BT 16 / 32 1.02 / 1.00-1.14 (M = 256 / 512-768); BT 64 1.006-1.017 at M = 1280,
-// 0.95-1.04 at 1536-1792; ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3 at BT 48 and from 96.
+// 0.95-1.065 at 1408-1792 (call 8 too); ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3 at BT 48 and
+// from 96.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
