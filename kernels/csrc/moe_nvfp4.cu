@@ -109,7 +109,11 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // rounded up to 8 at BT 16, to 16 at BT 32 and from 64: v8_dispatch), read from shared memory
 // through a descriptor; the dequantized weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
-//   16 |        2  1  4  3  2  |        2  1  4  3  2  |  85 KB (M = 128-384, session 8)
+//   16 |        2  1  2  5  2  |        2  1  2  5  2  |  71 KB (M = 129-384; 70-72 registers, so
+//      |                       |                       |   3 blocks per SM: 0.944-0.964 of KG 4 /
+//      |                       |                       |   3 stages (85 KB, 2 per SM, session 8's)
+//      |                       |                       |   at M = 160-320, 0.973-0.989 at 384;
+//      |                       |                       |   KG 2 / 6 stages 0.985-1.01: session 19)
 //   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
 //      |                       |                       |   of KG 2 / ST 4 / 3 blocks, alt 4)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
@@ -123,7 +127,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   tile, 1 block per SM, 6 stages:
 //      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
-  X(16, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
+  X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)      \
   X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
