@@ -1910,9 +1910,9 @@ int wg_min_rows() {
 // 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
 // 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there. Session 19 (calls 4-5, 7
 // rounds), 3 / 2 on today's kernels: BT 48 (M = 1024) 0.984-0.997 in all 7, M = 896 0.977-1.019,
-// 1152 0.90-1.07; BT 16 / 32 1.02 / 1.00-1.14 (M = 256 / 512-768); BT 64 1.006-1.017 at M = 1280,
-// 0.95-1.065 at 1408-1792 (call 8 too); ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3 at BT 48 and
-// from 96.
+// 1152 0.90-1.07; BT 16 (KG 4 then) / 32 1.02 / 1.00-1.14 (M = 256 / 512-768); BT 64 1.006-1.017
+// at M = 1280, 0.95-1.065 at 1408-1792 (call 8 too); ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3
+// at BT 48 and from 96.
 int wg_ring(int bt) {
   const char* v = getenv("EXPERTD_KERNEL_WG_RING");
   if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
