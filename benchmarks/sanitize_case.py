@@ -35,13 +35,14 @@ def main() -> int:
 
 
 def run(backend, preset, cases, gen) -> float:
-    layer = synthetic_layer(preset, seed=3, layer=0, experts=list(range(16, 32)), device="cpu")
+    owned = list(range(16, 32))
+    layer = synthetic_layer(preset, seed=3, layer=0, experts=owned, device="cpu")
     state = backend.prepare(layer.to("cuda"))
     worst = 0.0
     for m, bt in cases:
-        pool = 16 if bt < 0 else preset.num_experts  # the shard's experts are 16..31
-        ids = torch.stack([torch.randperm(pool, generator=gen)[:8] for _ in range(m)])
-        ids += 16 if bt < 0 else 0
+        # bt < 0: ids drawn from the shard's own experts only (every route local)
+        pool = torch.tensor(owned) if bt < 0 else torch.arange(preset.num_experts)
+        ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:8]] for _ in range(m)])
         bt = abs(bt)
         ids = ids.to(torch.int32)
         ids[0, 0] = -1
