@@ -114,8 +114,15 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   3 stages (85 KB, 2 per SM, session 8's)
 //      |                       |                       |   at M = 160-320, 0.973-0.989 at 384;
 //      |                       |                       |   KG 2 / 6 stages 0.985-1.01: session 19)
-//   32 |        2  1  4  3  2  |        2  1  4  3  2  | 109 KB (16 k-steps per stage: 2-5% ahead
-//      |                       |                       |   of KG 2 / ST 4 / 3 blocks, alt 4)
+//   32 |        2  1  2  4  3  |        2  1  4  3  2  |  73 KB / 109 KB (M = 385-864; GEMM1 at
+//      |                       |                       |   80 registers, 3 blocks per SM: 0.965-
+//      |                       |                       |   1.011 of KG 4 / 3 stages / 2 blocks at
+//      |                       |                       |   M = 400-864, most near 0.98; the same
+//      |                       |                       |   trade on GEMM2 (KG 2 / 3 stages, 3 per
+//      |                       |                       |   SM) 0.98-1.03: session 20, M = 448
+//      |                       |                       |   too noisy to read. GEMM2's 16 k-steps
+//      |                       |                       |   per stage were 2-5% ahead of KG 2 /
+//      |                       |                       |   ST 4 / 3 blocks in session 2)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
 //   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
 //   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
@@ -128,7 +135,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
   X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)      \
-  X(32, 2, 1, 4, 3, 2, 2, 1, 4, 3, 2)      \
+  X(32, 2, 1, 2, 4, 3, 2, 1, 4, 3, 2)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
