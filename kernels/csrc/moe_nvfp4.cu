@@ -109,12 +109,12 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // rounded up to 8 at BT 16, to 16 at BT 32 and from 64: v8_dispatch), read from shared memory
 // through a descriptor; the dequantized weights are its A operand, straight from registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
-//   16 |        2  1  2  5  2  |        2  1  2  5  2  |  71 KB (M = 129-384; 70-72 registers, so
+//   16 |        2  1  2  5  2  |        2  1  2  5  2  |  71 KB (M = 129-400; 70-72 registers, so
 //      |                       |                       |   3 blocks per SM: 0.944-0.964 of KG 4 /
 //      |                       |                       |   3 stages (85 KB, 2 per SM, session 8's)
 //      |                       |                       |   at M = 160-320, 0.973-0.989 at 384;
 //      |                       |                       |   KG 2 / 6 stages 0.985-1.01: session 19)
-//   32 |        2  1  2  4  3  |        2  1  4  3  2  |  73 KB / 109 KB (M = 385-864; GEMM1 at
+//   32 |        2  1  2  4  3  |        2  1  4  3  2  |  73 KB / 109 KB (M = 401-864; GEMM1 at
 //      |                       |                       |   80 registers, 3 blocks per SM: 0.965-
 //      |                       |                       |   1.011 of KG 4 / 3 stages / 2 blocks at
 //      |                       |                       |   M = 400-864, most near 0.98; the same
@@ -2501,9 +2501,10 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 // an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*): v6's
 // BT = 8 wins to lambda = 4 (M = 128; session 9 with decode alternative 18, against v8's BT 16: M =
 // 96 0.925, 128 0.959, 192 1.084, `-s9-bt8.json`); above, the wgmma GEMM (v8) wins at every M: BT =
-// 16 to lambda = 12 (session 8: M = 128-256 0.87x of BT 32 before BT 32 trimmed its tiles, M = 384
+// 16 to lambda = 12.5 (session 8: M = 128-256 0.87x of BT 32 before BT 32 trimmed its tiles, M = 384
 // 0.95x of the trimmed BT 32; the wgmma half as wide where the tiles hold ~4-12 routes; at M = 512
-// 1.19x: many experts need two tiles, each dequantizing the weights again), BT = 32 to lambda = 27
+// 1.19x: many experts need two tiles, each dequantizing the weights again; session 20, both at
+// 3 blocks per SM: M = 400 0.970 / 0.976 in two calls, 416 1.016 / 1.022), BT = 32 to lambda = 27
 // (M = 864), 48 to lambda = 36 (M = 1152), 64 to lambda = 58 (M = 1856). Session 12
 // (`-s12-bt32-48*.json`, `-s12-bt48-64-96.json`; the bounds were 20 for 32 and 45 for 48, and 64
 // was never picked): BT 32 / 48 at M = 704 0.857, 768 0.884-0.900, 832 0.942, 896 1.008, 960 1.043,
@@ -2518,7 +2519,7 @@ int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 4) return 8;
-  if (lambda <= 12) return 16;
+  if (lambda <= 12.5) return 16;
   if (lambda <= 27) return 32;
   if (lambda <= 36) return 48;
   if (lambda <= 58) return 64;
