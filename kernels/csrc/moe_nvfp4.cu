@@ -114,15 +114,14 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   3 stages (85 KB, 2 per SM, session 8's)
 //      |                       |                       |   at M = 160-320, 0.973-0.989 at 384;
 //      |                       |                       |   KG 2 / 6 stages 0.985-1.01: session 19)
-//   32 |        2  1  2  4  3  |        2  1  4  3  2  |  73 KB / 109 KB (M = 401-864; GEMM1 at
-//      |                       |                       |   80 registers, 3 blocks per SM: 0.965-
-//      |                       |                       |   1.011 of KG 4 / 3 stages / 2 blocks at
-//      |                       |                       |   M = 400-864, most near 0.98; the same
-//      |                       |                       |   trade on GEMM2 (KG 2 / 3 stages, 3 per
-//      |                       |                       |   SM) 0.98-1.03: session 20, M = 448
-//      |                       |                       |   too noisy to read. GEMM2's 16 k-steps
-//      |                       |                       |   per stage were 2-5% ahead of KG 2 /
-//      |                       |                       |   ST 4 / 3 blocks in session 2)
+//   32 |        2  1  2  4  3  |        2  1  2  4  3  |  73 KB (M = 401-864; 75-80 registers,
+//      |                       |                       |   3 blocks per SM, GEMM2 only with the
+//      |                       |                       |   896-byte alignment pad (kAlignPad).
+//      |                       |                       |   Session 20: GEMM1 so 0.965-1.011 of
+//      |                       |                       |   KG 4 / 3 stages / 2 blocks at M =
+//      |                       |                       |   400-864, most near 0.98; then GEMM2
+//      |                       |                       |   0.974-0.999 at 432-864; GEMM2 at KG 2
+//      |                       |                       |   / 3 stages lost 0.98-1.03)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
 //   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
 //   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
@@ -135,7 +134,7 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
   X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)      \
-  X(32, 2, 1, 2, 4, 3, 2, 1, 4, 3, 2)      \
+  X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
@@ -1266,7 +1265,13 @@ struct WgShape {
   static constexpr int kWBytes = kMTiles * KG * 512;
   static constexpr int kSBytes = kMTiles * KG * 128;
   static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
-  static constexpr int kSmemBytes = kStageBytes * ST + 1024;  // + room to align to 1024
+  // Room to align the ring to 1024 bytes (the 128-byte swizzle's atom): the dynamic area starts
+  // right after the kernel's static shared memory, so the pad needed is (-static) mod 1024, and
+  // 1024 covers any static size. BT 32 takes 896 (its statics are 1152 / 2176 B, 128 mod 1024),
+  // which fits 3 GEMM2 blocks of KG 2 / ST 4 in an SM's 228 KB (3 x 77,824 B with the 1 KB each
+  // block reserves; session 20). set_smem_attrs_v8 checks the pad against the statics at start.
+  static constexpr int kAlignPad = BT == 32 ? 896 : 1024;
+  static constexpr int kSmemBytes = kStageBytes * ST + kAlignPad;
   static constexpr int kChunksPerRow = KG * 8;
   static constexpr int kAChunks = BT * kChunksPerRow, kWChunks = kWBytes / 16,
                        kSChunks = kSBytes / 16;
@@ -2433,12 +2438,33 @@ bool set_smem_attrs_v8_ring() {
                               WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) == cudaSuccess;
 }
 
+// Whether kernel's static shared memory leaves its ring 1024-aligned within Sh::kAlignPad.
+template <typename Sh, typename Kernel>
+bool align_pad_covers(Kernel kernel) {
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) return false;
+  return static_cast<int>((1024 - fa.sharedSizeBytes % 1024) % 1024) <= Sh::kAlignPad;
+}
+
+template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
+          int B2, int RING>
+bool align_pads_cover() {
+  return align_pad_covers<WgShape<BT, G1, W1, K1, S1, B1>>(
+             moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>) &&
+         align_pad_covers<WgShape<BT, G2, W2, K2, S2, B2>>(
+             moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>);
+}
+
 template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
           int B2>
 int set_smem_attrs_v8() {
   if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
       !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
     return check_launch("cudaFuncSetAttribute (v8)");
+  if (!align_pads_cover<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
+      !align_pads_cover<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
+    return fail(2, "a v8 kernel's static shared memory exceeds its 1024-byte alignment pad "
+                   "(WgShape::kAlignPad)");
   return 0;
 }
 
