@@ -10,10 +10,13 @@ every library's per-function SASS with the first one's (cuobjdump, e.g. from a s
 
     python benchmarks/carry_libs.py --tree main=main draft=s13-my-draft --sass
     python benchmarks/carry_libs.py var=@tree:-DEXPERTD_X=1   # a compile-time variant of the tree
+    python benchmarks/carry_libs.py b48=@tree --row "b48=wg:X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)"
 
 NAME=REV builds revision REV (a branch, tag or commit) as .carry/NAME/; NAME=@tree builds the
 working tree there, and a suffix :-DEXPERTD_...=v ... adds EXPERTD_KERNEL_DEFINES. --tree also
-rebuilds .carry/kernels/ (emptied first: stale keys would travel with every call).
+rebuilds .carry/kernels/ (emptied first: stale keys would travel with every call). --row
+NAME=TABLE:X(BT, ...) builds NAME from a copy of its sources whose row for tile size BT in the
+v8 (`wg`) or v6 (`v6`) configuration table is replaced (the working tree is never edited).
 """
 
 from __future__ import annotations
@@ -32,11 +35,44 @@ ROOT = Path(__file__).resolve().parent.parent
 LIB = "libexpertd_kernels.so"
 
 
+TABLES = {"wg": "EXPERTD_FOR_EACH_WG_CONFIG", "v6": "EXPERTD_FOR_EACH_CONFIG"}
+KERNEL_SOURCE = Path("kernels") / "csrc" / "moe_nvfp4.cu"
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
     rev: str  # "@tree" or a git revision
     defines: str  # EXPERTD_KERNEL_DEFINES for this build ("" for none)
+    rows: tuple[tuple[str, str], ...] = ()  # (table, "X(BT, ...)") rows replaced in the source
+
+
+def parse_row(text: str) -> tuple[str, str, str]:
+    """NAME=TABLE:X(BT, ...) -> (name, table, row); a clear error for anything else."""
+    name, sep, rest = text.partition("=")
+    table, sep2, row = rest.partition(":")
+    if not sep or not sep2 or table not in TABLES:
+        raise ValueError(f"expected NAME=wg:X(...) or NAME=v6:X(...), got {text!r}")
+    if not re.fullmatch(r"X\(\d+(, \d+){10}\)", row.strip()):
+        raise ValueError(f"{name}: a row is X(BT, ...) with 11 integers, got {row!r}")
+    return name, table, row.strip()
+
+
+def replace_row(source: str, table: str, row: str) -> str:
+    """source with the row of configuration table `table` for row's tile size replaced by row."""
+    bt = re.match(r"X\((\d+),", row).group(1)
+    lines = source.splitlines(keepends=True)
+    head = f"#define {TABLES[table]}(X)"
+    try:
+        i = next(n for n, line in enumerate(lines) if line.startswith(head))
+    except StopIteration:
+        raise ValueError(f"no {head} in the kernel source") from None
+    while lines[i].rstrip().endswith("\\"):
+        i += 1
+        if re.match(rf"\s*X\({bt},", lines[i]):
+            lines[i] = re.sub(r"X\([^)]*\)", row, lines[i], count=1)
+            return "".join(lines)
+    raise ValueError(f"table {table} has no row for tile size {bt}")
 
 
 def parse_spec(text: str) -> Spec:
@@ -73,11 +109,27 @@ def build(src: Path, cache: Path, defines: str = "") -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def with_rows(src: Path, rows: tuple[tuple[str, str], ...]) -> None:
+    """Replace the configuration rows in src's kernel source, in place (src is a copy)."""
+    path = src / KERNEL_SOURCE
+    text = path.read_text()
+    for table, row in rows:
+        text = replace_row(text, table, row)
+    path.write_text(text)
+
+
 def build_spec(spec: Spec, carry: Path) -> Path:
     """Build one Spec into carry/NAME/; the copied library's path."""
     with tempfile.TemporaryDirectory(prefix=f"carry-{spec.name}-") as tmp:
         cache = Path(tmp) / "cache"
-        if spec.rev == "@tree":
+        if spec.rev == "@tree" and spec.rows:
+            tree = Path(tmp) / "tree"
+            shutil.copytree(
+                ROOT / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__")
+            )
+            with_rows(tree, spec.rows)
+            lib = build(tree, cache, spec.defines)
+        elif spec.rev == "@tree":
             lib = build(ROOT, cache, spec.defines)
         else:
             tree = Path(tmp) / "tree"
@@ -86,6 +138,7 @@ def build_spec(spec: Spec, carry: Path) -> Path:
                 [*git, "worktree", "add", "-q", "--detach", str(tree), spec.rev], check=True
             )
             try:
+                with_rows(tree, spec.rows)
                 lib = build(tree, cache, spec.defines)
             finally:
                 subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=True)
@@ -148,9 +201,28 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true", help="compare SASS with the first library")
     ap.add_argument("--cuobjdump", default=None, help="path of cuobjdump (default: searched)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"))
+    ap.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        help="NAME=wg:X(BT, ...) or NAME=v6:X(...): a configuration row for spec NAME (repeatable)",
+    )
     args = ap.parse_args()
     try:
         specs = [parse_spec(s) for s in args.specs]
+        rows = [parse_row(r) for r in args.row]
+        unknown = {name for name, _, _ in rows} - {s.name for s in specs}
+        if unknown:
+            raise ValueError(f"--row for {sorted(unknown)}, which no spec names")
+        for spec in specs:  # fail before any build: a bad row would be found late otherwise
+            text = (ROOT / KERNEL_SOURCE).read_text()
+            for name, table, row in rows:
+                if name == spec.name:
+                    text = replace_row(text, table, row)
+        specs = [
+            Spec(s.name, s.rev, s.defines, tuple((t, r) for n, t, r in rows if n == s.name))
+            for s in specs
+        ]
     except ValueError as e:
         sys.exit(str(e))
     if not specs and not args.tree:
@@ -164,10 +236,10 @@ def main() -> None:
         print(f"tree -> {libs[-1][1]}", flush=True)
     for spec in specs:
         libs.append((spec.name, build_spec(spec, carry)))
-        print(
-            f"{spec.name} ({spec.rev}{' ' + spec.defines if spec.defines else ''}) -> {libs[-1][1]}",
-            flush=True,
+        extra = "".join(f" {t}:{r}" for t, r in spec.rows) + (
+            f" {spec.defines}" if spec.defines else ""
         )
+        print(f"{spec.name} ({spec.rev}{extra}) -> {libs[-1][1]}", flush=True)
     if not args.sass or len(libs) < 2:
         return
     tool = find_cuobjdump(args.cuobjdump)

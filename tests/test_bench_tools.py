@@ -85,6 +85,53 @@ def test_carry_libs_specs():
             carry_libs.parse_spec(bad)
 
 
+_TABLES = """#define EXPERTD_FOR_EACH_CONFIG(X) \\
+  X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)    \\
+  X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)
+#define EXPERTD_FOR_EACH_WG_CONFIG(X) \\
+  X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)   \\
+  X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)   \\
+  X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)
+int after;
+"""
+
+
+def test_carry_libs_rows_replace_one_row_of_the_named_table():
+    name, table, row = carry_libs.parse_row("b48=wg:X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)")
+    assert (name, table) == ("b48", "wg")
+    out = carry_libs.replace_row(_TABLES, table, row)
+    assert "  X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)\n" in out
+    assert (
+        out.replace("X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)", "X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)")
+        == _TABLES
+    )
+    # BT 16 is in both tables: only the named one changes, continuation backslashes kept
+    out = carry_libs.replace_row(_TABLES, "v6", "X(16, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)")
+    assert "  X(16, 1, 2, 4, 4, 6, 1, 2, 4, 4, 6)    \\\n" in out
+    assert "  X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)   \\\n" in out
+    with pytest.raises(ValueError, match="no row for tile size 64"):
+        carry_libs.replace_row(_TABLES, "wg", "X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)")
+    with pytest.raises(ValueError, match="no row for tile size 48"):
+        carry_libs.replace_row(_TABLES, "v6", "X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)")
+    for bad in ("b48=X(48, 2)", "b48=v7:X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)", "b48=wg:X(48, 2, 1)"):
+        with pytest.raises(ValueError):
+            carry_libs.parse_row(bad)
+
+
+def test_carry_libs_rows_fit_the_real_kernel_source():
+    path = carry_libs.ROOT / carry_libs.KERNEL_SOURCE
+    text = path.read_text()
+    for table, row in (
+        ("wg", "X(48, 2, 1, 2, 3, 3, 2, 1, 2, 3, 3)"),
+        ("v6", "X(8, 1, 1, 4, 8, 3, 1, 2, 2, 8, 3)"),
+    ):
+        out = carry_libs.replace_row(text, table, row)
+        changed = [
+            (a, b) for a, b in zip(text.splitlines(), out.splitlines(), strict=True) if a != b
+        ]
+        assert len(changed) == 1 and row in changed[0][1], (table, changed)
+
+
 _SASS = """
         Function : _ZN45_GLOBAL__N__%s_12_moe_nvfp4_cu_2513521512route_kernelEv
         /*0000*/                   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */
