@@ -109,13 +109,18 @@ def build(src: Path, cache: Path, defines: str = "") -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def apply_rows(source: str, rows: tuple[tuple[str, str], ...]) -> str:
+    """source with each (table, row) replaced (replace_row)."""
+    for table, row in rows:
+        source = replace_row(source, table, row)
+    return source
+
+
 def with_rows(src: Path, rows: tuple[tuple[str, str], ...]) -> None:
     """Replace the configuration rows in src's kernel source, in place (src is a copy)."""
-    path = src / KERNEL_SOURCE
-    text = path.read_text()
-    for table, row in rows:
-        text = replace_row(text, table, row)
-    path.write_text(text)
+    if rows:
+        path = src / KERNEL_SOURCE
+        path.write_text(apply_rows(path.read_text(), rows))
 
 
 def build_spec(spec: Spec, carry: Path) -> Path:
@@ -214,15 +219,13 @@ def main() -> None:
         unknown = {name for name, _, _ in rows} - {s.name for s in specs}
         if unknown:
             raise ValueError(f"--row for {sorted(unknown)}, which no spec names")
-        for spec in specs:  # fail before any build: a bad row would be found late otherwise
-            text = (ROOT / KERNEL_SOURCE).read_text()
-            for name, table, row in rows:
-                if name == spec.name:
-                    text = replace_row(text, table, row)
         specs = [
             Spec(s.name, s.rev, s.defines, tuple((t, r) for n, t, r in rows if n == s.name))
             for s in specs
         ]
+        source = (ROOT / KERNEL_SOURCE).read_text()
+        for spec in specs:  # every row checked before any build, not found late in one
+            apply_rows(source, spec.rows)
     except ValueError as e:
         sys.exit(str(e))
     if not specs and not args.tree:

@@ -1267,9 +1267,10 @@ struct WgShape {
   static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
   // Room to align the ring to 1024 bytes (the 128-byte swizzle's atom): the dynamic area starts
   // right after the kernel's static shared memory (a build that trapped otherwise passed every
-  // GPU test, session 20), so the pad needed is (-static) mod 1024; 1024 covers any static size. BT 32 takes 896 (its statics are 1152 / 2176 B, 128 mod 1024),
-  // which fits 3 GEMM2 blocks of KG 2 / ST 4 in an SM's 228 KB (3 x 77,824 B with the 1 KB each
-  // block reserves; session 20). set_smem_attrs_v8 checks the pad against the statics at start.
+  // GPU test, session 20), so the pad needed is (-static) mod 1024; 1024 covers any static size.
+  // BT 32 takes 896 (its statics are 1152 / 2176 B, 128 mod 1024), which fits 3 GEMM2 blocks of
+  // KG 2 / ST 4 in an SM's 228 KB (3 x 77,824 B with the 1 KB each block reserves; session 20).
+  // set_smem_attrs_v8 checks the pad against the statics at start-up.
   static constexpr int kAlignPad = BT == 32 ? 896 : 1024;
   static constexpr int kSmemBytes = kStageBytes * ST + kAlignPad;
   static constexpr int kChunksPerRow = KG * 8;
