@@ -212,7 +212,7 @@ def main() -> None:
         default=[],
         help="NAME=wg:X(BT, ...) or NAME=v6:X(...): a configuration row for spec NAME (repeatable)",
     )
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     try:
         specs = [parse_spec(s) for s in args.specs]
         rows = [parse_row(r) for r in args.row]

@@ -153,6 +153,69 @@ __device__ __forceinline__ void issue_unit(uint32_t (&a)[4][4], float (&acc)[N /
   wgmma_commit();
 }
 
+// wgmma m64nNk16 in the SS form (A from shared memory through a descriptor, K-major, 128-byte
+// swizzle, like B): the split benchmark's question is whether tensor work without register-file
+// A operands competes less with other warps' ALU work (NOTES.md, session 21).
+template <int N>
+struct WgmmaSS;
+
+template <>
+struct WgmmaSS<32> {
+  static __device__ __forceinline__ void mma(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db));
+  }
+};
+
+template <>
+struct WgmmaSS<48> {
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "l"(da), "l"(db));
+  }
+};
+
+template <>
+struct WgmmaSS<64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
+  }
+};
+
+// One unit in the SS form: 4 k-steps with A (64 rows x 64 k, swizzled like B) from shared memory.
+template <int N>
+__device__ __forceinline__ void issue_unit_ss(float (&acc)[N / 2], uint64_t desc_a,
+                                              uint64_t desc_b) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    WgmmaSS<N>::mma(acc, desc_a + ((ks * 32) >> 4), desc_b + ((ks * 32) >> 4));
+  wgmma_commit();
+}
+
+// refill plus one 16-byte shared-memory store per k-step (the 4 new A registers of that k-step):
+// the ALU side of a design whose dequantizing warps hand bf16 A tiles to the MMA warps through
+// shared memory (8 bf16 per thread per k-step, as v8 produces them).
+template <int ALU>
+__device__ __forceinline__ void refill_sts(uint32_t (&a)[4][4], uint32_t scale, uint32_t dst) {
+  refill<ALU>(a, scale);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + ks * 2048),
+                 "r"(a[ks][0]), "r"(a[ks][1]), "r"(a[ks][2]), "r"(a[ks][3])
+                 : "memory");
+}
+
 struct Args {
   float* out;      // one value per thread (keeps the accumulators live)
   long long* rec;  // per block: clock64 at loop start, at loop end, %smid
@@ -208,6 +271,17 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
   __syncthreads();
   const uint64_t desc0 = smem_desc_sw128(base);
   const uint32_t scale = args.scale;
+  // SS forms (STRICT 6-9): an A tile (64 rows x 64 k) 8 KB above B, and 8 KB per warpgroup of
+  // scratch for refill_sts 16 KB above B (N <= 64 there).
+  const uint64_t desc_a = smem_desc_sw128(base + 8192);
+  const uint32_t sts_dst = base + 16384 + (threadIdx.x % 128) * 16;
+  if constexpr (STRICT >= 6) {
+    __nv_bfloat16* at = reinterpret_cast<__nv_bfloat16*>(smem_raw + (base - raw) + 8192);
+    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x)
+      at[i] = __float2bfloat16(static_cast<float>((i * 29) % 11 - 5) * 0.5f);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+  }
 
   // Two A sets with E2M1-like values that differ per thread, k-step and register.
   uint32_t a0[4][4], a1[4][4];
@@ -266,6 +340,26 @@ __global__ void __launch_bounds__(256, (N <= 128 ? 2 : 1)) bench(const Args args
       named_arrive(2 - wg);
       if (it != args.never) refill<ALU>(a0, scale);
       wgmma_wait<0>();
+    } else if constexpr (STRICT >= 6) {
+      // Split with the SS form (6-9): warpgroup 0 issues SS units (A from shared memory),
+      // warpgroup 1 runs the ALU chains (8, 9: plus refill_sts's stores). 6, 8: both; 7:
+      // warpgroup 0 alone; 9: warpgroup 1 alone (ALU + stores). Against 3-5: does tensor work
+      // with no register-file A operand suffer less from the other warpgroup's ALU work?
+      const int wg = threadIdx.x / 128;
+      if (wg == 0 && STRICT != 9) {
+        issue_unit_ss<N>(acc, desc_a, desc0);
+        wgmma_wait<0>();
+        issue_unit_ss<N>(acc, desc_a, desc0);
+        wgmma_wait<0>();
+      } else if (wg == 1 && STRICT != 7) {
+        if constexpr (STRICT == 8 || STRICT == 9) {
+          refill_sts<ALU>(a1, scale, sts_dst);
+          refill_sts<ALU>(a0, scale, sts_dst);
+        } else {
+          refill<ALU>(a1, scale);
+          refill<ALU>(a0, scale);
+        }
+      }
     } else {
       // Split (3, 4, 5): warpgroup 0 only issues units (as ALU 0), warpgroup 1 only computes
       // (ALU ops per k-step as in the ring, no wgmma). 4: warpgroup 0's part alone, 5:
@@ -441,6 +535,16 @@ void add_pingpong(std::vector<Inst>& v) {
   v.push_back({0, N, 16, 4, 1, bench<N, 16, 4>});
   v.push_back({0, N, 16, 5, 1, bench<N, 16, 5>});
 }
+// The split with the SS form beside the RS one (N <= 64: the A tile and scratch fit above B).
+template <int N>
+void add_ss(std::vector<Inst>& v) {
+  for (int st = 3; st <= 9; ++st) {
+    static constexpr Kernel ks[] = {bench<N, 16, 3>, bench<N, 16, 4>, bench<N, 16, 5>,
+                                    bench<N, 16, 6>, bench<N, 16, 7>, bench<N, 16, 8>,
+                                    bench<N, 16, 9>};
+    v.push_back({0, N, 16, st, 1, ks[st - 3]});
+  }
+}
 template <int N, int WM>
 void add_hmma(std::vector<Inst>& v) {
   v.push_back({1, N, 0, 0, WM, bench_hmma<N, WM, 0>});
@@ -479,10 +583,11 @@ double unit_flops_per_warp(const Inst& in) {
 
 int main(int argc, char** argv) {
   // widths: N = 8-48 in steps of 8 (where the MMA width stops mattering at v8's ALU load)
-  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma | hmma | pingpong | widths | all
+  // ss: the split (3-5) beside the same split with SS-form wgmmas (6-9), N = 32, 48, 64
+  const std::string which = argc > 1 ? argv[1] : "all";  // wgmma|hmma|pingpong|widths|ss|all
   if (which != "all" && which != "wgmma" && which != "hmma" && which != "pingpong" &&
-      which != "widths") {
-    std::fprintf(stderr, "usage: %s [wgmma|hmma|pingpong|widths|all]\n", argv[0]);
+      which != "widths" && which != "ss") {
+    std::fprintf(stderr, "usage: %s [wgmma|hmma|pingpong|widths|ss|all]\n", argv[0]);
     return 2;
   }
   int dev = 0;
@@ -505,7 +610,9 @@ int main(int argc, char** argv) {
   std::printf("ALU = ops per k-step (8 A values) per thread and m-tile; 's' = ALU work forced after "
               "the 4th HGMMA (STRICT), else ptxas's schedule; 'p' = ping-pong of 2 warpgroups; "
               "'x' = warpgroup 0 wgmma only + warpgroup 1 ALU only, 't' / 'a' = each of them "
-              "alone (compare clk/unit); WM = m-tiles per warp (mma.sync)\n");
+              "alone (compare clk/unit); 'X' / 'T' = 'x' / 't' with SS-form wgmmas, 'B' = 'X' with "
+              "a 16-byte store per k-step after the ALU work, 'b' = that ALU part alone; WM = "
+              "m-tiles per warp (mma.sync)\n");
 
   const char* out_env = std::getenv("OUT");
   const std::string out_dir = out_env && *out_env ? out_env : "/tmp";
@@ -529,6 +636,11 @@ int main(int argc, char** argv) {
   }
   if (which == "all" || which == "wgmma") add_ns<16, 32, 48, 64, 96, 128, 160>(insts);
   if (which == "widths") add_ns<8, 16, 24, 32, 40, 48>(insts);
+  if (which == "all" || which == "ss") {
+    add_ss<32>(insts);
+    add_ss<48>(insts);
+    add_ss<64>(insts);
+  }
   if (which == "all" || which == "hmma") {
     add_hmma<16, 1>(insts);
     add_hmma<16, 2>(insts);
@@ -566,13 +678,13 @@ int main(int argc, char** argv) {
       int smem = static_cast<int>(prop.sharedMemPerMultiprocessor / L.blocks_per_sm) -
                  static_cast<int>(prop.reservedSharedMemPerBlock);
       smem = std::min(smem, static_cast<int>(prop.sharedMemPerBlockOptin));
-      smem = std::max(smem, in.n * 128 + 1024);
+      smem = std::max(smem, in.strict >= 6 ? 1024 + 3 * 8192 : in.n * 128 + 1024);
       CK(cudaFuncSetAttribute(in.k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       int fit = 0;
       CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, in.k, threads, smem));
       Result r{in, warps_per_sm, false, 0, 0, 0, 0, 0, 0};
       char alu[8];  // "16" (ptxas schedule) or "16s" (STRICT)
-      std::snprintf(alu, sizeof alu, "%d%c", in.alu, " spxta"[in.strict]);
+      std::snprintf(alu, sizeof alu, "%d%c", in.alu, " spxtaXTBb"[in.strict]);
       const char* fam = in.family == 0 ? "wgmma" : "hmma";
       if (fit < L.blocks_per_sm) {
         std::printf("%5s %4d %4s %3d %6d  skipped: only %d block(s) of %d threads fit per SM\n",
@@ -670,7 +782,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < results.size();) {
     const Inst& in = results[i].in;
     std::printf("%5s %4d %3d%c %3d", in.family == 0 ? "wgmma" : "hmma", in.n, in.alu,
-                " spxta"[in.strict], in.wm);
+                " spxtaXTBb"[in.strict], in.wm);
     size_t j = i;
     for (; j < results.size() && results[j].in.k == in.k; ++j) {
       if (results[j].ran)

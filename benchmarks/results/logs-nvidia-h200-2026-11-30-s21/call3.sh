@@ -1,0 +1,1 @@
+bash benchmarks/wgmma_rs.sh ss (call 3)
