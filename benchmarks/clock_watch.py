@@ -15,86 +15,18 @@ window. A bf16 matmul and a device copy (the floor's two rates) get the same tre
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, "benchmarks")
+from gpu_clocks import Sampler
 from kernel import EL, TOP_K, H, gpu_layer, routes
 
 from expertd.kernels.cuda import CudaBackend
-
-FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
-
-# nvidia-smi's clocks_event_reasons bits (nvmlClocksEventReasons)
-REASONS = {
-    0x1: "idle",
-    0x2: "app_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x20: "sw_thermal",
-    0x40: "hw_thermal",
-    0x80: "hw_power_brake",
-    0x100: "display_clock",
-}
-
-
-class Sampler:
-    """nvidia-smi -lms in the background; samples kept with their arrival time."""
-
-    def __init__(self, period_ms: int) -> None:
-        self.samples: list[tuple[float, list[str]]] = []
-        self.proc = subprocess.Popen(
-            [
-                "nvidia-smi",
-                f"--query-gpu={FIELDS}",
-                "--format=csv,noheader,nounits",
-                f"-lms={period_ms}",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.samples.append((time.monotonic(), [f.strip() for f in line.split(",")]))
-
-    def window(self, t0: float, t1: float) -> dict:
-        rows = [s for t, s in self.samples if t0 <= t <= t1]
-        if not rows:
-            return {"samples": 0}
-
-        def med(i: int) -> float:
-            vals = sorted(float(r[i]) for r in rows if r[i].replace(".", "", 1).isdigit())
-            return vals[len(vals) // 2] if vals else float("nan")
-
-        reasons = 0
-        for r in rows:
-            with contextlib.suppress(ValueError):
-                reasons |= int(r[4], 16)
-        return {
-            "samples": len(rows),
-            "sm_mhz_median": med(0),
-            "sm_mhz_min": min(float(r[0]) for r in rows),
-            "mem_mhz_median": med(1),
-            "power_w_median": med(2),
-            "temp_c_median": med(3),
-            "reasons_mask": hex(reasons),
-            "reasons": [name for bit, name in REASONS.items() if reasons & bit],
-        }
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=5)
 
 
 def run_for(seconds: float, step) -> tuple[float, float, int]:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_clocks import start_sampler
 
 from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path, pick_bt
 from expertd.kernels.layer import ShardLayer
@@ -266,8 +267,19 @@ def main() -> int:
     torch.manual_seed(0)
 
     name = torch.cuda.get_device_name()
+    # SM clock and power per timing (gpu_clocks.py): the forward runs at the 700 W power cap
+    # from M = 16 when it runs long enough, so a time is read with the clock it ran at.
+    sampler = start_sampler()
+
+    def clocks(t0: float) -> dict:
+        return sampler.window(t0, time.monotonic()) if sampler else {"samples": 0}
+
+    t0 = time.monotonic()
     bw = measure_copy_bw()
+    copy_clocks = clocks(t0)
+    t0 = time.monotonic()
     tc = measure_matmul()
+    matmul_clocks = clocks(t0)
     print(f"{name}: copy {bw / 1e9:.0f} GB/s, bf16 matmul {tc / 1e12:.0f} TFLOP/s", flush=True)
 
     layer = gpu_layer()
@@ -291,6 +303,8 @@ def main() -> int:
         "device": name,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
+        "copy_clocks": copy_clocks,
+        "matmul_clocks": matmul_clocks,
         "graph_floor_us": graph_floor,
         "preset": "muse-spark",
         "local_experts": EL,
@@ -330,7 +344,9 @@ def main() -> int:
             reps,
         )
         graphs = [graphed(backend, state, m, inputs) for inputs in sets]
+        t0 = time.monotonic()
         t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
+        graph_clocks = clocks(t0)
         torch.cuda.synchronize()
         # The same graphs without programmatic dependent launch (A/B of the launch overlap).
         t_nopdl = None
@@ -435,6 +451,7 @@ def main() -> int:
             "graph_x_floor": t_graph / floor,
             "graph_GBps": hit * expert_bytes / t_graph / 1e9,
             "graph_TFLOPs": flops / t_graph / 1e12,
+            "graph_clocks": graph_clocks,
         }
         if baseline is not None:
             t_base = time_calls(
@@ -456,6 +473,8 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    if sampler:
+        sampler.close()
     try:
         import matplotlib
 
@@ -482,6 +501,13 @@ def main() -> int:
         print(f"plot skipped: {exc}", file=sys.stderr)
 
     print(f"\n{name}: copy {bw / 1e9:.0f} GB/s, bf16 {tc / 1e12:.0f} TFLOP/s ({date})")
+    for what, c in (("copy", copy_clocks), ("matmul", matmul_clocks)):
+        if c.get("samples"):
+            print(
+                f"  {what} ran at {c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), "
+                f"{c['power_w_median']:.0f} W {','.join(c['reasons'])}"
+            )
+    print("MHz / W: median SM clock and power draw while the graph column was timed (nvidia-smi)")
     forced = kernel_path()
     print(
         f"GEMM path (graph us column): {f'v{forced}' if forced else 'default by BT (path column)'}"
@@ -489,7 +515,7 @@ def main() -> int:
     )
     head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
     head += f" {'v6 us':>8} {'v8 us':>8} {'v8 err':>8}"
-    head += f" {'GB/s':>6} {'TFLOP/s':>8}"
+    head += f" {'GB/s':>6} {'TFLOP/s':>8} {'MHz':>5} {'W':>4}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
     print(head)
@@ -501,7 +527,9 @@ def main() -> int:
             f"{r['path_us'].get('v8', float('nan')):>8.1f} "
             f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
             f"{r['graph_GBps']:>6.0f} "
-            f"{r['graph_TFLOPs']:>8.1f}"
+            f"{r['graph_TFLOPs']:>8.1f} "
+            f"{r['graph_clocks'].get('sm_mhz_median', float('nan')):>5.0f} "
+            f"{r['graph_clocks'].get('power_w_median', float('nan')):>4.0f}"
         )
         if baseline is not None:
             line += (

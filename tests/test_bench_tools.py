@@ -1,7 +1,8 @@
 """CPU tests of the benchmark helpers whose arithmetic decides kernel changes: the decode cases'
 inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 (benchmarks/lib_ab.py), the SASS comparison of the libraries a call carries
-(benchmarks/carry_libs.py) and the bit comparison of their outputs (benchmarks/lib_bits.py)."""
+(benchmarks/carry_libs.py), the bit comparison of their outputs (benchmarks/lib_bits.py) and the
+clock / power summary a timing is read with (benchmarks/gpu_clocks.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import carry_libs
 import decode_cases
+import gpu_clocks
 import lib_ab
 import lib_bits
 
@@ -168,3 +170,21 @@ def test_lib_bits_compare_is_bitwise():
     assert lines[1].startswith("DIFF sign of zero: 1 elements differ")
     assert lines[2] == "DIFF value: 1 elements differ, largest difference 0.5"
     assert lines[3] == "DIFF gone: missing or another shape"
+
+
+def test_clock_window_summarizes_only_its_samples():
+    # nvidia-smi rows: clocks.sm, clocks.mem, power.draw, temperature.gpu, event reasons (hex)
+    smp = object.__new__(gpu_clocks.Sampler)
+    smp.samples = [
+        (0.5, ["1980", "3201", "120.5", "37", "0x0000000000000001"]),
+        (1.0, ["1600", "3201", "694.0", "55", "0x0000000000000004"]),
+        (1.1, ["1500", "3201", "[N/A]", "56", "0x0000000000000004"]),
+        (1.2, ["1700", "3201", "690.0", "56", "0x0000000000000000"]),
+        (2.0, ["1980", "3201", "130.0", "40", "0x0000000000000001"]),
+    ]
+    w = smp.window(0.9, 1.5)
+    assert w["samples"] == 3
+    assert w["sm_mhz_median"] == 1600 and w["sm_mhz_min"] == 1500
+    assert w["power_w_median"] == 694.0  # the unreadable power sample is skipped
+    assert w["reasons"] == ["sw_power_cap"] and w["reasons_mask"] == "0x4"
+    assert smp.window(3.0, 4.0) == {"samples": 0}
