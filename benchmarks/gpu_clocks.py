@@ -100,3 +100,37 @@ def start_sampler(period_ms: int = 25) -> Sampler | None:
         return Sampler(period_ms)
     except OSError:
         return None
+
+
+class EnergyMeter:
+    """The GPU's total energy counter (NVML, millijoules since the driver loaded), through
+    ctypes on libnvidia-ml (no pynvml needed). Under the power cap a call's time is its energy
+    over the cap, so mJ per call is the quantity a change must lower from M = 16 up."""
+
+    def __init__(self, index: int = 0) -> None:
+        import ctypes
+
+        self._c = ctypes
+        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self._lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit_v2 failed")
+        self._dev = ctypes.c_void_p()
+        if self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._dev)) != 0:
+            raise OSError(f"no NVML device {index}")
+
+    def millijoules(self) -> int:
+        mj = self._c.c_ulonglong()
+        rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._dev, self._c.byref(mj))
+        if rc != 0:
+            raise OSError(f"nvmlDeviceGetTotalEnergyConsumption: NVML error {rc}")
+        return int(mj.value)
+
+
+def energy_meter() -> EnergyMeter | None:
+    """An EnergyMeter, or None where NVML or its energy counter is missing."""
+    try:
+        meter = EnergyMeter()
+        meter.millijoules()
+        return meter
+    except (OSError, AttributeError):
+        return None
