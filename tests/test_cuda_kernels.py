@@ -272,14 +272,16 @@ def test_v8_ring_bit_identical_to_v8(case, backend, monkeypatch, bt):
 @pytest.mark.parametrize(
     "bt,switch",
     [(16, "EXPERTD_KERNEL_WG_MIN_N=16"), (16, "EXPERTD_KERNEL_WG_FULLN=1")]
-    + [(bt, "EXPERTD_KERNEL_WG_FULLN=1") for bt in (32, 96)],
+    + [(bt, "EXPERTD_KERNEL_WG_FULLN=1") for bt in (32, 48, 96)],
 )
 def test_v8_trimmed_width_bit_identical(case, backend, monkeypatch, bt, switch):
-    """v8 tiles run wgmma N = their routes rounded up to 8 (BT 16) or 16 (BT 32 and from 64);
-    N = 16 at least (EXPERTD_KERNEL_WG_MIN_N=16) or N = BT (EXPERTD_KERNEL_WG_FULLN=1) gives
-    the same bits: the padding columns are separate sums."""
+    """v8 tiles run wgmma N = their routes rounded up to 8 (BT 16), 16 (BT 32 and from 64) or
+    32 (BT 48: N 32 or 48); N = 16 at least (EXPERTD_KERNEL_WG_MIN_N=16) or N = BT
+    (EXPERTD_KERNEL_WG_FULLN=1) gives the same bits: the padding columns are separate sums.
+    At BT 48 the busy expert gets 40 routes (a 48-wide tile beside the others' 32-wide ones)."""
     preset, layer, state = case
-    x, ids, w = _busy_inputs(preset, layer, 90, 30, 2, seed=bt + 3, x_seed=bt + 4)
+    busy = 40 if bt == 48 else 30
+    x, ids, w = _busy_inputs(preset, layer, 90, busy, 2, seed=bt + 3, x_seed=bt + 4)
     monkeypatch.setenv("EXPERTD_KERNEL_PATH", "8")
     got = _run(backend, state, x, ids, w, bt=bt)
     name, _, value = switch.partition("=")

@@ -106,8 +106,9 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 // tile in shared memory for 64 NWG WM weight rows), KG = 64-k groups per stage, ST = stages, MB =
 // blocks per SM asked of ptxas (__launch_bounds__; registers <= 64K / (MB x threads)). Whole K
 // per warp (no split-K). The tokens of a tile are wgmma's N (= BT, trimmed to the tile's routes
-// rounded up to 8 at BT 16, to 16 at BT 32 and from 64: v8_dispatch), read from shared memory
-// through a descriptor; the dequantized weights are its A operand, straight from registers.
+// rounded up to 8 at BT 16, to 16 at BT 32 and from 64, to 32 at 48: v8_dispatch), read from
+// shared memory through a descriptor; the dequantized weights are its A operand, straight from
+// registers.
 //   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
 //   16 |        2  1  2  5  2  |        2  1  2  5  2  |  71 KB (M = 129-400; 70-72 registers, so
 //      |                       |                       |   3 blocks per SM: 0.944-0.964 of KG 4 /
@@ -1621,12 +1622,17 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 }
 
 // The wgmma width for a tile with `rows` valid routes: the smallest of 8 (BT 16 only: at BT 32 the
-// extra mainloop made ptxas spill), 16, 32, ... that is >= rows, at BT 16, 32 and from BT 64.
-// MMAs on padding cost time: in compute-bound calls, and where a tile holds few routes the
-// dequantization's ALU work and the MMAs add up, so an MMA half as wide is ~5-12% cheaper per
-// weight (session 8). BT 48 always runs N = 48 (trimming it measured 0.999-1.006 at M = 1024,
-// sessions 5 and 8).
-constexpr int v8_first_n(int bt) { return bt == 16 ? 8 : bt == 32 || bt >= 64 ? 16 : bt; }
+// extra mainloop made ptxas spill), 16, 32, ... that is >= rows, at BT 16, 32 and from BT 64;
+// 32 or 48 at BT 48. MMAs on padding cost time: in compute-bound calls, and where a tile holds
+// few routes the dequantization's ALU work and the MMAs add up, so an MMA half as wide is ~5-12%
+// cheaper per weight (session 8); and from M = 16 the forward runs at the board's power cap,
+// where MMAs on zero padding rows still cost energy, i.e. time (session 21: every tile at N = BT
+// took +5% energy per call at M = 512, +7-12% at 2048). BT 48's tiles of <= 32 routes (half of
+// them at M = 1024) on the 32-wide mainloop: 0.945-0.950 at M = 1024 in 3 paired rounds, 0.95-1.0
+// at 896-960, 0.98-1.02 at 1088-1152 (session 21; sessions 5 and 8 had measured 0.999-1.006).
+constexpr int v8_first_n(int bt) {
+  return bt == 16 ? 8 : bt == 32 || bt >= 64 ? 16 : bt == 48 ? 32 : bt;
+}
 constexpr int v8_next_n(int n) { return n < 16 ? 16 : n + 16; }
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING,
           int N = v8_first_n(BT)>
