@@ -2,7 +2,8 @@
 inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 (benchmarks/lib_ab.py), the SASS comparison of the libraries a call carries
 (benchmarks/carry_libs.py), the bit comparison of their outputs (benchmarks/lib_bits.py) and the
-clock / power summary a timing is read with (benchmarks/gpu_clocks.py)."""
+clock / power summary a timing is read with (benchmarks/gpu_clocks.py) and the energy A/B's
+pairing (benchmarks/energy_ab.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import carry_libs
 import decode_cases
+import energy_ab
 import gpu_clocks
 import lib_ab
 import lib_bits
@@ -188,3 +190,19 @@ def test_clock_window_summarizes_only_its_samples():
     assert w["power_w_median"] == 694.0  # the unreadable power sample is skipped
     assert w["reasons"] == ["sw_power_cap"] and w["reasons_mask"] == "0x4"
     assert smp.window(3.0, 4.0) == {"samples": 0}
+
+
+def test_energy_ab_alternates_and_reads_the_default_rows():
+    libs = [("a", "x"), ("b", "y")]
+    assert energy_ab.round_order(libs, 0) == libs
+    assert energy_ab.round_order(libs, 1) == libs[::-1]
+    rows = [
+        {"case": "idle", "watts": 121.0},
+        {"case": "M=512", "m": 512, "env": {}, "mj_per_call": 225.0, "us_per_call": 324.0},
+        {"case": "M=512 X=1", "m": 512, "env": {"X": "1"}, "mj_per_call": 1.0, "us_per_call": 1.0},
+        {"case": "M=1024", "m": 1024, "env": {}, "mj_per_call": 295.0, "us_per_call": 425.0},
+    ]
+    assert energy_ab.per_m(rows) == {
+        512: {"mj": 225.0, "us": 324.0},
+        1024: {"mj": 295.0, "us": 425.0},
+    }
