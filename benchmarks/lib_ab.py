@@ -26,8 +26,13 @@ from kernel import parse_env  # benchmarks/kernel.py: the K=V,K=V switches of it
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int, float]:
-    """graph_us per M of one benchmarks/kernel.py run on the library at `lib`."""
+def run_one(
+    lib: str, ms: str, out: Path, env_extra: dict[str, str]
+) -> tuple[dict[int, float], dict[int, float]]:
+    """graph_us and the median SM clock (MHz, nan where not sampled) while it was timed, per M,
+    of one benchmarks/kernel.py run on the library at `lib`. The clock matters from M = 16: the
+    forward runs at the power limit there, and a hotter board holds it at a lower clock
+    (session 21: one run's M = 1024 read 25% slower than the sweep's, cause not found)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, EXPERTD_KERNEL_LIB=str(Path(lib).resolve()), **env_extra)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel.py"), "--ms", ms, "--no-baseline"]
@@ -42,7 +47,12 @@ def run_one(lib: str, ms: str, out: Path, env_extra: dict[str, str]) -> dict[int
     if not files:
         raise SystemExit(f"kernel.py wrote no results file under {out}")
     rows = json.loads(files[-1].read_text())["rows"]
-    return {int(r["M"]): float(r["graph_us"]) for r in rows}
+    us = {int(r["M"]): float(r["graph_us"]) for r in rows}
+    mhz = {
+        int(r["M"]): float(r.get("graph_clocks", {}).get("sm_mhz_median", float("nan")))
+        for r in rows
+    }
+    return us, mhz
 
 
 def pair_ratios(runs: list[tuple[int, str, dict[int, float]]], base: str) -> list[dict]:
@@ -89,13 +99,16 @@ def main() -> None:
         lib_env[name] = parse_env(kvs)
     out = Path(args.out)
     runs: list[tuple[int, str, dict[int, float]]] = []
+    clocks: list[dict[int, float]] = []
     for rnd in range(args.rounds):
         for name, path in libs:
             env = {**env_extra, **lib_env.get(name, {})}
-            us = run_one(path, args.ms, out / f"r{rnd}-{name}", env)
+            us, mhz = run_one(path, args.ms, out / f"r{rnd}-{name}", env)
             runs.append((rnd, name, us))
+            clocks.append(mhz)
             print(
-                f"== {name:6s} " + " | ".join(f"{m} {t:.1f}" for m, t in sorted(us.items())),
+                f"== {name:6s} "
+                + " | ".join(f"{m} {t:.1f} ({mhz[m]:.0f} MHz)" for m, t in sorted(us.items())),
                 flush=True,
             )
 
@@ -112,7 +125,10 @@ def main() -> None:
         "lib_env": lib_env,
         "env": env_extra,
         "ms": ms,
-        "runs": [{"round": rnd, "lib": name, "graph_us": us} for rnd, name, us in runs],
+        "runs": [
+            {"round": rnd, "lib": name, "graph_us": us, "sm_mhz": mhz}
+            for (rnd, name, us), mhz in zip(runs, clocks, strict=True)
+        ],
         "ratios": ratios,
     }
     (out / "lib-ab.json").write_text(json.dumps(summary, indent=1))

@@ -1628,7 +1628,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
 // cheaper per weight (session 8); at the board's power cap (from M = 16) they cost energy too
 // (session 21: every tile at N = BT took +5% energy per call at M = 512, +7-12% at 2048). BT 48's
 // tiles of <= 32 routes on the 32-wide mainloop (session 21): 0.945-0.950 at M = 1024 on input
-// sets that ran ~25% slower than the sweep's (more tiles, not checked), 0.96-1.0 at 896-960,
+// sets that ran ~25% slower than the sweep's (cause not found), 0.96-1.0 at 896-960,
 // 0.98-1.02 at 1088-1152; 0.996-0.999 in time, 0.98-1.01 in energy on one typical M = 1024 set
 // (sessions 5 and 8 had measured 0.999-1.006): it pays where tiles carry much padding.
 constexpr int v8_first_n(int bt) {
