@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib_ab import pair_ratios
+from lib_ab import pair_ratios, parse_libs, print_ratios
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,12 +67,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/energy-ab"))
     args = ap.parse_args()
 
-    libs = []
-    for spec in args.lib:
-        name, sep, path = spec.partition("=")
-        if not sep or not Path(path).is_file():
-            raise SystemExit(f"--lib {spec!r}: expected NAME=path to an existing library")
-        libs.append((name, path))
+    libs = parse_libs(args.lib)
     out = Path(args.out)
     runs = []
     for rnd in range(args.rounds):
@@ -93,11 +88,7 @@ def main() -> None:
     for key, unit in (("mj", "mJ per call"), ("us", "us per call")):
         ratios = pair_ratios([(r, n, {m: v[key] for m, v in g.items()}) for r, n, g in runs], base)
         tables[key] = ratios
-        print(f"\nratio to {base} in the same round ({unit}; < 1 = less than {base}):")
-        print("lib     round " + " ".join(f"{m:>7d}" for m in ms))
-        for row in ratios:
-            r = row["ratio"]
-            print(f"{row['lib']:6s}  {row['round']:5d} " + " ".join(f"{r[m]:7.3f}" for m in ms))
+        print_ratios(ratios, ms, base, unit)
     summary = {
         "libs": dict(libs),
         "ms": ms,

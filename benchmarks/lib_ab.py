@@ -55,6 +55,26 @@ def run_one(
     return us, mhz
 
 
+def parse_libs(specs: list[str]) -> list[tuple[str, str]]:
+    """--lib NAME=path values -> [(name, path)]; each path must be an existing file."""
+    libs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--lib {spec!r}: expected NAME=path to an existing library")
+        libs.append((name, path))
+    return libs
+
+
+def print_ratios(ratios: list[dict], ms: list[int], base: str, what: str) -> None:
+    """The table of pair_ratios' rows: one line per library and round, one column per M."""
+    print(f"\nratio to {base} in the same round ({what}; < 1 = less than {base}):")
+    print("lib     round " + " ".join(f"{m:>7d}" for m in ms))
+    for row in ratios:
+        r = row["ratio"]
+        print(f"{row['lib']:6s}  {row['round']:5d} " + " ".join(f"{r[m]:7.3f}" for m in ms))
+
+
 def pair_ratios(runs: list[tuple[int, str, dict[int, float]]], base: str) -> list[dict]:
     """Each run of a library other than `base`, as time / base's time in the same round, per M."""
     out = []
@@ -84,12 +104,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    libs = []
-    for spec in args.lib:
-        name, sep, path = spec.partition("=")
-        if not sep or not Path(path).is_file():
-            raise SystemExit(f"--lib {spec!r}: expected NAME=path to an existing library")
-        libs.append((name, path))
+    libs = parse_libs(args.lib)
     env_extra = parse_env(args.env)
     lib_env = {}
     for spec in args.lib_env:
@@ -113,13 +128,9 @@ def main() -> None:
             )
 
     base = libs[0][0]
-    print(f"\nratio to {base} in the same round (graph us; < 1 = faster than {base}):")
     ms = sorted(runs[0][2])
-    print("lib     round " + " ".join(f"{m:>7d}" for m in ms))
     ratios = pair_ratios(runs, base)
-    for row in ratios:
-        r = row["ratio"]
-        print(f"{row['lib']:6s}  {row['round']:5d} " + " ".join(f"{r[m]:7.3f}" for m in ms))
+    print_ratios(ratios, ms, base, "graph us")
     summary = {
         "libs": dict(libs),
         "lib_env": lib_env,

@@ -206,3 +206,13 @@ def test_energy_ab_alternates_and_reads_the_default_rows():
         512: {"mj": 225.0, "us": 324.0},
         1024: {"mj": 295.0, "us": 425.0},
     }
+
+
+def test_lib_specs_need_a_name_and_an_existing_file(tmp_path):
+    lib = tmp_path / "libexpertd_kernels.so"
+    lib.write_bytes(b"")
+    assert lib_ab.parse_libs([f"new={lib}"]) == [("new", str(lib))]
+    with pytest.raises(SystemExit, match="existing library"):
+        lib_ab.parse_libs([f"old={tmp_path / 'missing.so'}"])
+    with pytest.raises(SystemExit, match="NAME=path"):
+        lib_ab.parse_libs([str(lib)])
