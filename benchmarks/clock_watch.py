@@ -47,40 +47,26 @@ def run_for(seconds: float, step, meter: EnergyMeter | None) -> tuple[float, flo
     return t0, t1, calls, mj
 
 
-def case(name: str, seconds: float, step, sampler: Sampler, meter, **extra) -> dict:
+def case(name: str, seconds: float, step, sampler: Sampler, meter) -> dict:
     """One case: step() back to back; time and energy per call, clocks after the first 0.5 s."""
     t0, t1, n, mj = run_for(seconds, step, meter)
     us = (t1 - t0) / n * 1e6
-    out = {"case": name, "us_per_call": us, "mj_per_call": mj, "watts": mj / us * 1e3}
-    for k, f in extra.items():
-        out[k] = f(us)
-    return {**out, **sampler.window(t0 + 0.5, t1)}
+    row = {"case": name, "us_per_call": us, "mj_per_call": mj, "watts": mj / us * 1e3}
+    return {**row, **sampler.window(t0 + 0.5, t1)}
 
 
 def matmul_case(seconds: float, sampler: Sampler, meter) -> dict:
     a = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((8192, 8192), device="cuda", dtype=torch.bfloat16)
-    return case(
-        "matmul 8192^3",
-        seconds,
-        lambda: torch.mm(a, b),
-        sampler,
-        meter,
-        tflops=lambda us: 2 * 8192**3 / us / 1e6,
-    )
+    row = case("matmul 8192^3", seconds, lambda: torch.mm(a, b), sampler, meter)
+    return {**row, "tflops": 2 * 8192**3 / row["us_per_call"] / 1e6}
 
 
 def copy_case(seconds: float, sampler: Sampler, meter) -> dict:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return case(
-        "copy 2 GiB",
-        seconds,
-        lambda: dst.copy_(src),
-        sampler,
-        meter,
-        gbps=lambda us: 2 * src.numel() / us / 1e3,
-    )
+    row = case("copy 2 GiB", seconds, lambda: dst.copy_(src), sampler, meter)
+    return {**row, "gbps": 2 * src.numel() / row["us_per_call"] / 1e3}
 
 
 def forward_case(m: int, seconds: float, sampler: Sampler, meter, backend, state, inputs, env):

@@ -9,6 +9,7 @@ back to back (SM clock ~1550-1650 MHz instead of 1980; the device copy stays at 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
 import subprocess
 import threading
@@ -108,9 +109,6 @@ class EnergyMeter:
     over the cap, so mJ per call is the quantity a change must lower from M = 16 up."""
 
     def __init__(self, index: int = 0) -> None:
-        import ctypes
-
-        self._c = ctypes
         self._lib = ctypes.CDLL("libnvidia-ml.so.1")
         if self._lib.nvmlInit_v2() != 0:
             raise OSError("nvmlInit_v2 failed")
@@ -119,8 +117,8 @@ class EnergyMeter:
             raise OSError(f"no NVML device {index}")
 
     def millijoules(self) -> int:
-        mj = self._c.c_ulonglong()
-        rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._dev, self._c.byref(mj))
+        mj = ctypes.c_ulonglong()
+        rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._dev, ctypes.byref(mj))
         if rc != 0:
             raise OSError(f"nvmlDeviceGetTotalEnergyConsumption: NVML error {rc}")
         return int(mj.value)
