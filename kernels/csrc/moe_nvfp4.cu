@@ -125,22 +125,27 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
 //      |                       |                       |   / 3 stages lost 0.98-1.03)
 //   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
 //   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
-//   96 |        2  1  2  3  2  |        2  1  2  3  2  | 103 KB
-//  128 |        2  1  1  4  2  |        2  1  1  4  2  |  85 KB (KG = 2 and 5 stages, 1 block
-//      |                       |                       |   per SM: 1.3-2x slower than BT = 64)
-//  144 |        2  1  1  4  2  |        2  1  1  4  2  |  93 KB (tiles that hold a busy expert:
-//  160 |        4  1  1  6  1  |        4  1  1  6  1  | 185 KB   expertd_pick_bt; 128 registers)
-//      |                       |                       | (session 6: 256 rows share one token
-//      |                       |                       |   tile, 1 block per SM, 6 stages:
-//      |                       |                       |   0.988 of 2 x 128 rows at M = 4096)
+//   96 |        4  1  2  4  1  |        4  1  2  4  1  | 177 KB (from BT 96, 256 weight rows
+//  128 |        4  1  1  6  1  |        4  1  1  6  1  | 157 KB   share one token tile: half the
+//  144 |        4  1  1  6  1  |        4  1  1  6  1  | 169 KB   tokens' L2 -> SM traffic, 1 block
+//  160 |        4  1  1  6  1  |        4  1  1  6  1  | 181 KB   per SM; 98-128 registers. Session
+//      |                       |                       |   22, paired against 2 x 128 rows (2
+//      |                       |                       |   blocks per SM: 96 KG 2 / ST 3, 128 /
+//      |                       |                       |   144 KG 1 / ST 4): BT 96 0.90-0.95 at
+//      |                       |                       |   M = 1984-2240, 128 0.97-0.98 at 3072 /
+//      |                       |                       |   6144, 144 0.935-0.977 at 8192 / 16384;
+//      |                       |                       |   BT 48 / 64 so lost or tied: 1.0-1.07.
+//      |                       |                       |   BT 128 / 144 at KG 2 spill. Session 6's
+//      |                       |                       |   BT 160 so: 0.988 at M = 4096. Tiles
+//      |                       |                       |   that hold a busy expert: pick_bt)
 #define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
   X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)      \
   X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)      \
   X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
   X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
-  X(96, 2, 1, 2, 3, 2, 2, 1, 2, 3, 2)      \
-  X(128, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
-  X(144, 2, 1, 1, 4, 2, 2, 1, 1, 4, 2)     \
+  X(96, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)      \
+  X(128, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)     \
+  X(144, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)     \
   X(160, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)
 
 // Tried and dropped (sessions 3-5, H200, timed in alternating runs against the default; the
