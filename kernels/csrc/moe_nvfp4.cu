@@ -149,12 +149,13 @@ constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequa
   X(160, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)
 
 // Tried and dropped (sessions 3-5, H200, timed in alternating runs against the default; the
-// switches that ran them were removed in session 6, NOTES.md): 256 weight rows per token tile
-// (WM 2 at BT 32 / 48, or 4 warpgroups, 1 block per SM), KG 2 / ST 4 with 3 blocks per SM at BT
-// 32 (2-5% slower at M = 128-512), KG 1 / ST 6 with 3 blocks per SM at BT 32 and 48, KG 1 / ST 5
-// with 4 blocks per SM at BT 32: 5-23% slower at M = 128-1024 (ncu at M = 1024 had shown the
-// tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM: more warps per SM do not help
-// there). BT 96 with KG 1 / ST 5: 1.06 at M = 2048. KG 1 / ST 6 at BT 64: within the spread.
+// switches that ran them were removed in session 6, NOTES.md): 256 weight rows per token tile at BT
+// 32 / 48 (WM 2, or 4 warpgroups, 1 block per SM; from BT 96 the table's shape since session 22),
+// KG 2 / ST 4 with 3 blocks per SM at BT 32 (2-5% slower at M = 128-512), KG 1 / ST 6 with 3 blocks
+// per SM at BT 32 and 48, KG 1 / ST 5 with 4 blocks per SM at BT 32: 5-23% slower at M = 128-1024
+// (ncu at M = 1024 had shown the tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM:
+// more warps per SM do not help there). BT 96 with KG 1 / ST 5: 1.06 at M = 2048. KG 1 / ST 6 at BT
+// 64: within the spread.
 
 // Decode alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
 // table above): the default for BT 8 and 16 calls where H and I are multiples of 512 (below).
