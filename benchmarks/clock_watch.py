@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_clocks import EnergyMeter, Sampler, energy_meter
 from kernel import EL, TOP_K, H, gpu_layer, graphed, parse_env, routes
 

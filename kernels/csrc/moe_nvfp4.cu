@@ -1518,14 +1518,9 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     // it are in flight, and every wait is wait_group 0). Copies run ST - 2 stages ahead: at the
     // barrier between stages kt and kt + 1 a warp's last unit of kt may still be in flight, so
     // the slot refilled there is stage kt - 1's (all its wgmmas waited before the barrier).
-#if defined(EXPERTD_X_U2)
-    // Experiment switch (session 20, compiled, not yet timed): units of 2 k-steps at every KG,
-    // 8 A registers per unit instead of 16, which brings BT 48 at KG 2 / ST 3 to 72 registers
-    // with no stack, so 3 blocks per SM (NOTES.md runbook zzz). Off: the default's SASS.
-    constexpr int U = 2;
-#else
+    // Units of 4 k-steps (2 at KG 1); units of 2 at every KG measured 1.00-1.05x slower at BT 48
+    // even with a third block per SM (session 21, NOTES.md).
     constexpr int U = KG >= 2 ? 4 : 2;
-#endif
     constexpr int UPS = 4 * KG / U;  // units per stage: even, so unit 0 always uses set A
     constexpr int D = ST - 2;
     static_assert(UPS % 2 == 0 && D >= 1, "ring 3 needs an even unit count and ST >= 3");
