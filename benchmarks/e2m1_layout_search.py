@@ -9,13 +9,14 @@ onto P; the 4 registers' source bits must cover q's 32 bits exactly once. Operat
     A  q & P                                     1
     B  translate (shl / shr / rotate) then & P   2
     R  byte permute (PRMT) then & P              2
-    C  ((q & M) * (2^a + 2^b)) & P, carry-free   3   (the shifted copies of M never overlap)
+    C  ((q & M) * (2^a + 2^b [+ 2^c])) & P       3   (carry-free: the shifted copies never overlap)
     Q  PRMT, rotate, & P                         3
 
-Prints the cheapest exact cover (depth-first search, at most one A). Session 7: 10 ops (two
-rotations and two multiplies, the layout kernels/repack.py now uses); none with 9.
+Prints the cheapest exact cover (depth-first search, at most one A). Session 7, whose multiplies
+made two copies: 10 ops (two rotations and two multiplies); none with 9. Session 23, with three
+copies: 8 ops (the mask, two rotations and one multiply: the layout kernels/repack.py uses).
 
-    python benchmarks/e2m1_layout_search.py
+    python benchmarks/e2m1_layout_search.py   # ~4 minutes on one CPU core
 """
 
 from __future__ import annotations
@@ -54,24 +55,31 @@ def permutes(rotate: bool) -> dict[int, tuple]:
     return out
 
 
-def multiplies() -> dict[int, tuple]:
-    out: dict[int, tuple] = {}
+def _feeds(shifts: tuple, i: int, src: frozenset, fed: tuple, out: dict) -> None:
+    """Depth-first over P's bits: bit P[i] takes q bit P[i] - s for one s of `shifts`."""
     pset = set(P)
-    for r in range(1, 8):
-        for g1 in itertools.combinations(P, r):
-            g2 = pset - set(g1)
-            for a in range(32):
-                for b in range(32):
-                    if a == b:
-                        continue
-                    src = {p - a for p in g1} | {p - b for p in g2}
-                    if len(src) != 8 or min(src) < 0:
-                        continue
-                    sa = {m + a for m in src if m + a < 32}
-                    sb = {m + b for m in src if m + b < 32}
-                    if sa & sb or sa & pset != set(g1) or sb & pset != g2:
-                        continue
-                    out.setdefault(mask(src), ("mul", sorted(g1), a, b))
+    if i == len(P):
+        copies = [{m + s for m in src if m + s < 32} for s in shifts]
+        if any(x & y for x, y in itertools.combinations(copies, 2)):
+            return  # overlapping copies would carry
+        for s, c in zip(shifts, copies, strict=True):
+            if not c or c & pset != {p for p, f in zip(P, fed, strict=True) if f == s}:
+                return
+        out.setdefault(mask(src), ("mul", shifts))
+        return
+    for s in shifts:
+        if P[i] - s >= 0 and P[i] - s not in src:
+            _feeds(shifts, i + 1, src | {P[i] - s}, (*fed, s), out)
+
+
+def multiplies(max_copies: int = 3) -> dict[int, tuple]:
+    """((q & M) * sum of 2^s over S) & P for 2 <= |S| <= max_copies: every p of P takes bit p - s
+    of q for one s of S, and the |S| shifted copies of M are pairwise disjoint (no carries), each
+    meeting P exactly in the bits it feeds. Session 7's menu stopped at two copies."""
+    out: dict[int, tuple] = {}
+    for k in range(2, max_copies + 1):
+        for shifts in itertools.combinations(range(32), k):
+            _feeds(shifts, 0, frozenset(), (), out)
     return out
 
 

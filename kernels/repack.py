@@ -27,10 +27,11 @@ from expertd.kernels.nvfp4 import Nvfp4Weight, unpack_codes
 
 # E2M1 -> bf16 by moving bits: output register reg of a code word q holds two values, each with
 # its sign at bf16 bit 15 and its 3 magnitude bits at 6-8 (exponent LSBs + mantissa MSB): value *
-# 2^-126 exactly. 10 ops for 4 registers (session 7's search: two rotations and two carry-free
-# multiplies of a masked word, (x & M) * (1 + 2^s), then a mask each; the earlier layout took
-# 11). The kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu) does the same operations; the repack puts each
-# code bit where they take it from (_code_bit_positions).
+# 2^-126 exactly. 8 ops for 4 registers (benchmarks/e2m1_layout_search.py, session 23): a mask,
+# two rotations then a mask each, and one carry-free multiply of a masked word making three
+# copies, (x & M) * (2^2 + 2^7 + 2^12), then a mask (session 7's layout took 10 with two-copy
+# multiplies, the one before it 11). The kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu) does the same
+# operations; the repack puts each code bit where they take it from (_code_bit_positions).
 _P = 0x81C081C0  # bf16 bits 15, 8, 7, 6 of both halves
 _M32 = 0xFFFFFFFF
 
@@ -42,10 +43,10 @@ def _rotl(x, s: int):
 def e2m1_regs(q):
     """The kernel's 4 output registers of code word q (int or int64 tensor, 32 bits used)."""
     return (
-        _rotl(q, 8) & _P,
-        (((q & 0x02460246) * 65) & _M32) & _P,
-        _rotl(q, 12) & _P,
-        (((q & 0x21302130) * 5) & _M32) & _P,
+        q & _P,
+        _rotl(q, 10) & _P,
+        _rotl(q, 13) & _P,
+        (((q & 0x001B001B) * 4228) & _M32) & _P,
     )
 
 

@@ -30,7 +30,7 @@
 //   codes  uint4 [El][Mt][K/64][32 lanes]: the 16 bytes lane (g = lane/4, t = lane%4) of a warp
 //          needs for 4 k-steps of one m-tile (16 rows x 64 k). Word ks holds the 8 E2M1 codes of
 //          the lane's A fragment for k-step ks (rows g, g+8 x k 2t, 2t+1, 2t+8, 2t+9), with the
-//          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 10 ops for 4 registers.
+//          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 8 ops for 4 registers.
 //   scales bf16 [El][Mt][K/64][8 g][4 ks][2]: fp8 scale * 2^119 (exact) of rows g and g+8 for
 //          k-step ks; one 32-bit word per k-step (HMUL2 broadcasts each half in its operand).
 //          (v1 kept fp8 and converted in registers: 7 ops per k-step; bf16 costs 11% more bytes
@@ -274,22 +274,23 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 // bits 6-8 (exponent LSBs + mantissa MSB), which yields value * 2^-126 exactly (0.5 becomes a bf16
 // subnormal). The repack (repack.py: e2m1_regs, the same operations in Python, and the bit
 // positions derived from them) stores the 8 codes of one k-step so that 4 registers take 10 ops
-// (session 7's search over masks, shifts, rotations, byte permutes and carry-free multiplies;
-// none with 9): two rotations and a mask each, and two masked words times 1 + 2^s (the two
-// shifted copies never overlap, so the product is their OR), then a mask:
+// (benchmarks/e2m1_layout_search.py over masks, shifts, rotations, byte permutes and carry-free
+// multiplies; session 23 let a multiply make three copies and found 8, where session 7's two-copy
+// menu bottomed out at 10): the plain mask, two rotations and a mask each, and one masked word
+// times 2^2 + 2^7 + 2^12 (the three shifted copies never overlap, so the product is their OR),
+// then a mask:
 //   reg | ops                       | code bits from q
-//    0  | rot 8, and                | 0 7 14 15 16 23 30 31
-//    1  | and, x * 65, and          | 1 2 6 9 17 18 22 25
-//    2  | rot 12, and               | 3 10 11 12 19 26 27 28
-//    3  | and, x * 5, and           | 4 5 8 13 20 21 24 29
-// The earlier 11-op layout (and; shl 6, and; shl 5, shl 3, and, lop3; shl 4, shr 6, and, lop3),
-// timed against this one on the H200 in session 7 (NOTES.md): the same within 1% to M = 1024,
-// 4-5% slower at M = 4096.
+//    0  | and                       | 6 7 8 15 22 23 24 31
+//    1  | rot 10, and               | 5 12 13 14 21 28 29 30
+//    2  | rot 13, and               | 2 9 10 11 18 25 26 27
+//    3  | and, x * 4228, and        | 0 1 3 4 16 17 19 20
+// Session 7's 10-op layout (rot 8; and, x * 65; rot 12; and, x * 5; each then masked) and the
+// 11-op one before it are in NOTES.md with their timings.
 __device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
-  r[0] = __funnelshift_l(q, q, 8) & 0x81C081C0u;
-  r[1] = ((q & 0x02460246u) * 65u) & 0x81C081C0u;
-  r[2] = __funnelshift_l(q, q, 12) & 0x81C081C0u;
-  r[3] = ((q & 0x21302130u) * 5u) & 0x81C081C0u;
+  r[0] = q & 0x81C081C0u;
+  r[1] = __funnelshift_l(q, q, 10) & 0x81C081C0u;
+  r[2] = __funnelshift_l(q, q, 13) & 0x81C081C0u;
+  r[3] = ((q & 0x001B001Bu) * 4228u) & 0x81C081C0u;
 }
 
 // Programmatic dependent launch (sm_90): a kernel launched with the PDL attribute may start while
