@@ -273,7 +273,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 // E2M1 -> bf16 by moving bits: a code's sign goes to bf16 bit 15 and its 3 magnitude bits to
 // bits 6-8 (exponent LSBs + mantissa MSB), which yields value * 2^-126 exactly (0.5 becomes a bf16
 // subnormal). The repack (repack.py: e2m1_regs, the same operations in Python, and the bit
-// positions derived from them) stores the 8 codes of one k-step so that 4 registers take 10 ops
+// positions derived from them) stores the 8 codes of one k-step so that 4 registers take 8 ops
 // (benchmarks/e2m1_layout_search.py over masks, shifts, rotations, byte permutes and carry-free
 // multiplies; session 23 let a multiply make three copies and found 8, where session 7's two-copy
 // menu bottomed out at 10): the plain mask, two rotations and a mask each, and one masked word
