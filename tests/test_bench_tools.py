@@ -2,8 +2,9 @@
 inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 (benchmarks/lib_ab.py), the SASS comparison of the libraries a call carries
 (benchmarks/carry_libs.py), the bit comparison of their outputs (benchmarks/lib_bits.py) and the
-clock / power summary a timing is read with (benchmarks/gpu_clocks.py) and the energy A/B's
-pairing (benchmarks/energy_ab.py)."""
+clock / power summary a timing is read with (benchmarks/gpu_clocks.py), the energy A/B's
+pairing (benchmarks/energy_ab.py) and the tile statistics of an input set
+(benchmarks/set_spread.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import energy_ab
 import gpu_clocks
 import lib_ab
 import lib_bits
+import set_spread
 
 
 @pytest.mark.parametrize("m,t", [(1, 0), (1, 1), (1, 3), (1, 8), (2, 5), (4, 32)])
@@ -216,3 +218,19 @@ def test_lib_specs_need_a_name_and_an_existing_file(tmp_path):
         lib_ab.parse_libs([f"old={tmp_path / 'missing.so'}"])
     with pytest.raises(SystemExit, match="NAME=path"):
         lib_ab.parse_libs([str(lib)])
+
+
+def test_set_stats_counts_routes_tiles_and_padding():
+    # global ids 32..63 are local slots 0..31 (the benchmark's shard); 255 is not local
+    local_of = torch.full((257,), -1, dtype=torch.long)
+    local_of[32:64] = torch.arange(32)
+    # slot 0: 40 routes, slot 1: 17, slot 2: 1; every row also routes to a non-local id
+    rows = [[32, 255]] * 40 + [[33, 255]] * 17 + [[34, 255]]
+    ids = torch.tensor(rows, dtype=torch.int32)
+    st = set_spread.set_stats(ids, local_of, bt=16)
+    assert st["local_routes"] == 58 and st["max_routes"] == 40 and st["min_routes"] == 0
+    # tiles at BT 16: 40 -> 16, 16, 8; 17 -> 16, 1; 1 -> 1
+    assert st["tiles"] == 6
+    assert st["padding_rows"] == 6 * 16 - 58
+    assert st["tile_rows_le_half"] == 3  # the tiles of 8, 1 and 1 rows
+    assert st["tile_rows_le_2_3"] == 3  # <= 10 rows: the same three
