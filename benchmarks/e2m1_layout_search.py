@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 
 P = (6, 7, 8, 15, 22, 23, 24, 31)
+PSET = frozenset(P)
 FULL = (1 << 32) - 1
 
 
@@ -57,13 +58,12 @@ def permutes(rotate: bool) -> dict[int, tuple]:
 
 def _feeds(shifts: tuple, i: int, src: frozenset, fed: tuple, out: dict) -> None:
     """Depth-first over P's bits: bit P[i] takes q bit P[i] - s for one s of `shifts`."""
-    pset = set(P)
     if i == len(P):
         copies = [{m + s for m in src if m + s < 32} for s in shifts]
         if any(x & y for x, y in itertools.combinations(copies, 2)):
             return  # overlapping copies would carry
         for s, c in zip(shifts, copies, strict=True):
-            if not c or c & pset != {p for p, f in zip(P, fed, strict=True) if f == s}:
+            if not c or c & PSET != {p for p, f in zip(P, fed, strict=True) if f == s}:
                 return
         out.setdefault(mask(src), ("mul", shifts))
         return

@@ -6,7 +6,8 @@ saw M = 1024 read 10-19% slower in lib_ab.py's runs than in the sweep's at the s
 This times many sets one by one (a CUDA graph each, replayed back to back) and prints, per set,
 what the route kernel will make of it: routes per local expert, the tiles at the call's tile
 size BT and how many tiles fall in each width v8 runs (wgmma N trimmed per tile), beside the
-time, so a slow set can be told from a slow machine.
+time (kernel.py's time_calls: 100 ms of warm-up, then the median of --reps runs of --calls
+replays), so a slow set can be told from a slow machine.
 
     python benchmarks/set_spread.py --ms 1024 --sets 16 --out $OUT
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_clocks import start_sampler  # benchmarks/gpu_clocks.py: nvidia-smi sampling
-from kernel import EL, TOP_K, E, H, default_sets, gpu_layer, routes
+from kernel import EL, TOP_K, E, H, default_sets, gpu_layer, routes, time_calls
 
 from expertd.kernels.cuda import CudaBackend, GraphedForward, pick_bt
 
@@ -46,22 +46,6 @@ def set_stats(ids: torch.Tensor, local_of: torch.Tensor, bt: int) -> dict:
         "tile_rows_le_2_3": sum(1 for r in rows if r <= (2 * bt) // 3),
         "padding_rows": tiles * bt - sum(counts),
     }
-
-
-def time_graph(g: GraphedForward, calls: int, reps: int) -> float:
-    """Median over reps of the mean time of `calls` back-to-back replays, us."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        g.replay()
-    out = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(calls):
-            g.replay()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -92,7 +76,7 @@ def main() -> None:
         for buf, v in zip((g.x, g.topk_ids, g.topk_weights), inputs, strict=True):
             buf.copy_(v)
         t0 = time.monotonic()
-        us = time_graph(g, args.calls, args.reps)
+        us = time_calls(lambda _s: g.replay(), 1, args.calls, args.reps) * 1e6  # after warm-up
         return us, sampler.window(t0, time.monotonic()) if sampler else {}
 
     for m in ms:
