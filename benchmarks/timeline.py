@@ -106,6 +106,52 @@ def block_stats(recs: list[list[float]]) -> dict:
     }
 
 
+def occupancy(recs: list[list[float]], bins: int = 16) -> dict:
+    """How full a GEMM's block slots were over time, from one replay's real blocks.
+
+    Slots per SM = the most real blocks any SM held at once. From the first block passing its
+    wait to the last block done ("span"), `busy` is the share of slot-time holding a real block
+    (entry, or the first wait if later, to done), `streaming` the share inside main loops
+    (wait to loop done). `ideal_us` = the span the same streaming would take with every slot
+    streaming all the time; `profile` = streaming blocks / slots in `bins` equal slices of the
+    span; `tail_us` = time from the last block entry to the last block done."""
+    if not recs:
+        return {}
+    start = min(r[2] for r in recs)
+    end = max(r[4] for r in recs)
+    span = end - start
+    events: dict[int, list[tuple[float, int]]] = {}
+    for r in recs:
+        events.setdefault(int(r[0]), []).extend(((max(r[1], start), 1), (r[4], -1)))
+    slots = 0
+    for ev in events.values():
+        cur = 0
+        for _, d in sorted(ev, key=lambda e: (e[0], e[1])):
+            cur += d
+            slots = max(slots, cur)
+    cap = slots * len(events) * span
+    busy = sum(r[4] - max(r[1], start) for r in recs)
+    stream = sum(r[3] - r[2] for r in recs)
+    width = span / bins
+    profile = []
+    for i in range(bins):
+        lo, hi = start + i * width, start + (i + 1) * width
+        inside = sum(max(0.0, min(hi, r[3]) - max(lo, r[2])) for r in recs)
+        profile.append(round(inside / (width * slots * len(events)), 3))
+    return {
+        "slots_per_sm": slots,
+        "sms": len(events),
+        "span_us": span,
+        "busy": busy / cap,
+        "streaming": stream / cap,
+        "ideal_us": stream / (slots * len(events)),
+        "tail_us": end - max(r[1] for r in recs),
+        "prologue_med_us": statistics.median(r[2] - max(r[1], start) for r in recs),
+        "epilogue_med_us": statistics.median(r[4] - r[3] for r in recs),
+        "profile": profile,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,256")
@@ -115,6 +161,9 @@ def main() -> int:
     ap.add_argument("--kind", default="nvidia-h200")
     ap.add_argument("--env", default="", help="kernel switches for the graphs, K=V,K=V")
     ap.add_argument("--tag", default="", help="suffix of the results file")
+    ap.add_argument(
+        "--records-max", type=int, default=8, help="keep one replay's block records to this M"
+    )
     args = ap.parse_args()
     env = parse_env(args.env)
     layer = gpu_layer()
@@ -162,7 +211,19 @@ def main() -> int:
                 for key in stats[0]
                 if any(s[key] is not None for s in stats)
             }
-            if m <= 8:  # one replay's records, for plots
+            occ = [occupancy(p[1][kname]) for p in pairs]
+            occ = [o for o in occ if o]
+            if occ:
+                row["blocks"][kname]["occupancy"] = {
+                    key: statistics.median(o[key] for o in occ)
+                    for key in occ[0]
+                    if key != "profile"
+                }
+                row["blocks"][kname]["occupancy"]["profile"] = [
+                    statistics.median(o["profile"][i] for o in occ)
+                    for i in range(len(occ[0]["profile"]))
+                ]
+            if m <= args.records_max:  # one replay's records, for plots
                 row["blocks"][kname]["records"] = pairs[-1][1][kname]
         result["rows"].append(row)
         print(
@@ -184,6 +245,18 @@ def main() -> int:
                 f"alone {b.get('stream_med_alone', float('nan')):.1f}, sharing an SM "
                 f"{b.get('stream_med_shared', float('nan')):.1f}"
             )
+            o = b.get("occupancy")
+            if o:
+                print(
+                    f"  slots {o['slots_per_sm']:.0f}/SM; span {o['span_us']:.1f} us, ideal "
+                    f"{o['ideal_us']:.1f}; busy {o['busy']:.3f}, streaming {o['streaming']:.3f}; "
+                    f"tail {o['tail_us']:.1f} us; prologue / epilogue median "
+                    f"{o['prologue_med_us']:.2f} / {o['epilogue_med_us']:.2f} us"
+                )
+                print(
+                    "  streaming / slots by sixteenths: "
+                    + " ".join(f"{v:.2f}" for v in o["profile"])
+                )
         del g
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
