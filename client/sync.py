@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
-from expertd.aioloop import start_loop_thread
+from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.client.aio import AsyncExpertClient
 from expertd.client.core import to_caller
 from expertd.client.routing import Topology
@@ -109,9 +109,7 @@ class ExpertClient:
         self._stop_loop()
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        stop_loop_thread(self._loop, self._thread)
 
     def __enter__(self) -> ExpertClient:
         return self

@@ -1,5 +1,10 @@
 """An asyncio event loop on a thread of its own, for the sync client and the background server.
 
+Stopping one (stop_loop_thread) ends its tasks first, as asyncio.run does before it closes its
+loop: grpc.aio leaves a task per stream call awaiting the call's status, and a loop closed
+with such tasks pending logs "Task was destroyed but it is pending!" once for each (the sync
+client closed after one forward logged 8, one per shard stream).
+
 grpc.aio binds every event loop that uses it to one process-wide completion queue and wakes all
 of them on each event; the loops that lose the race raise BlockingIOError in
 PollerCompletionQueue._handle_events, and asyncio's default handler logs that as an error
@@ -11,6 +16,7 @@ started here drop exactly that error and pass every other one to asyncio's defau
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 
@@ -41,3 +47,31 @@ def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.T
     thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
     thread.start()
     return loop, thread
+
+
+async def _end_other_tasks(timeout: float) -> None:
+    """Cancel every task of the running loop but this one and wait (up to `timeout`) for them
+    to end; then close its async generators."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+def stop_loop_thread(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, timeout: float = 10.0
+) -> None:
+    """Stop a loop of start_loop_thread: end its tasks (_end_other_tasks), stop it, join its
+    thread and close it. Call from another thread; a closed loop is left as it is."""
+    if loop.is_closed():
+        return
+    if thread.is_alive():
+        # (a loop that no longer runs times out here: nothing of it runs again anyway)
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(_end_other_tasks(timeout / 2), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=timeout)
+    loop.close()

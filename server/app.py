@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from expertd.aioloop import start_loop_thread
+from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
@@ -292,9 +292,7 @@ class BackgroundServer:
         if self._loop.is_closed():
             return
         self._call(self._running.drain_and_stop(grace_s), timeout=grace_s + 30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        stop_loop_thread(self._loop, self._thread)
 
     def __enter__(self) -> BackgroundServer:
         return self

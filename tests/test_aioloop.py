@@ -1,13 +1,19 @@
 """The event loops the sync client and the background server run on: grpc.aio's spurious
 wake-up error (several loops bound to one completion queue, grpc/grpc#25364) is dropped, every
-other error still reaches asyncio's log."""
+other error still reaches asyncio's log; stopping a loop ends its tasks first."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
-from expertd.aioloop import is_spurious_grpc_wakeup, quiet_grpc_wakeups, start_loop_thread
+from expertd.aioloop import (
+    is_spurious_grpc_wakeup,
+    quiet_grpc_wakeups,
+    start_loop_thread,
+    stop_loop_thread,
+)
 
 SPURIOUS = {
     "message": "Exception in callback PollerCompletionQueue._handle_events(<_UnixSelectorEventLoop"
@@ -54,3 +60,20 @@ def test_an_applications_own_loop_can_be_quieted(caplog):
         assert [r.getMessage() for r in caplog.records] == ["other"]
     finally:
         loop.close()
+
+
+def test_stopping_a_loop_thread_ends_its_tasks_first(caplog):
+    loop, thread = start_loop_thread("expertd-test")
+
+    async def start_waiter():  # a task that would wait forever (as grpc.aio's status waiters)
+        return asyncio.ensure_future(asyncio.sleep(3600))
+
+    task = asyncio.run_coroutine_threadsafe(start_waiter(), loop).result(5)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        stop_loop_thread(loop, thread)
+        assert task.cancelled()
+        assert not thread.is_alive() and loop.is_closed()
+        del task
+        gc.collect()
+    assert not caplog.records  # no "Task was destroyed but it is pending!"
+    stop_loop_thread(loop, thread)  # stopping it again does nothing

@@ -6,6 +6,8 @@ and RemoteExperts against the real 8-shard service."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -180,6 +182,21 @@ def test_submit_and_threads_many_in_flight(addresses, full_layers):
         assert relative_error(out, other) <= 1e-2
     for (layer, x, ids, w), out in zip(work[:4], outs, strict=False):
         assert relative_error(out, reference_forward(full_layers[layer], x, ids, w)) <= 1e-2
+
+
+def test_close_leaves_no_task_of_the_shard_streams_pending(addresses, caplog):
+    """Closed after a forward, the sync client ends grpc.aio's tasks on its shard streams before
+    it closes its loop (stop_loop_thread); it used to log "Task was destroyed but it is
+    pending!" once per shard."""
+    gen = torch.Generator().manual_seed(14)
+    ids, w = routing(4, gen)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        client = ExpertClient(addresses, timeout=30)
+        client.forward(0, hidden(4, gen), ids, w)
+        client.close()
+        del client
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records] == []
 
 
 def test_asyncio_many_in_flight(addresses, full_layers):
