@@ -5,11 +5,17 @@
         fut = client.submit(layer + 1, x2, ids2, w2)  # concurrent.futures.Future
         out2 = fut.result()
 
-It runs an AsyncExpertClient on a private event loop thread, so the sync and
-asyncio clients share one engine (routing, replicas, retries, probing). Input
-checks and device staging run on the caller's thread; the fan-out runs on the
-loop, where many calls from many threads are in flight at once over the same
-channels.
+It runs an AsyncExpertClient on the process's client event loop (one thread,
+shared by every ExpertClient and never closed), so the sync and asyncio clients
+share one engine (routing, replicas, retries, probing). Input checks and device
+staging run on the caller's thread; the fan-out runs on the loop, where many
+calls from many threads are in flight at once over the same channels.
+
+One loop for all clients, not one per client: grpc.aio hands events of every
+loop of a process to one poller, and an event for a loop that was closed (a
+closed client's, when each had its own) raises in that poller and leaves the
+events behind it waiting for the next wake-up (logged as "Event loop is closed"
+from PollerCompletionQueue._handle_events).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
-from expertd.aioloop import start_loop_thread, stop_loop_thread
+from expertd.aioloop import shared_loop
 from expertd.client.aio import AsyncExpertClient
 from expertd.client.core import to_caller
 from expertd.client.routing import Topology
@@ -33,17 +39,17 @@ class ExpertClient:
         token, tls, max_attempts, retry_backoff, refresh_s)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
-        self._loop, self._thread = start_loop_thread("expertd-client")
-        try:
-            self._client: AsyncExpertClient = self._run(
-                AsyncExpertClient.connect(addresses, **options)
-            )
-        except BaseException:
-            self._stop_loop()
-            raise
+        self._loop = shared_loop("expertd-client")
+        self._closed = False
+        # (on failure connect closes what it opened)
+        self._client: AsyncExpertClient = self._run(AsyncExpertClient.connect(addresses, **options))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ExpertClient is closed")
 
     @property
     def addresses(self) -> list[str]:
@@ -62,6 +68,7 @@ class ExpertClient:
 
     def refresh(self, timeout: float | None = None) -> Topology:
         """Describe every address now and rebuild the expert -> shard map."""
+        self._check_open()
         return self._run(self._client.refresh(timeout))
 
     def submit(
@@ -77,6 +84,7 @@ class ExpertClient:
         options: timeout, metadata, request_id, token (AsyncExpertClient.prepare).
         Bad inputs raise here, at once; everything after (routing, replicas,
         deadline) ends in the future."""
+        self._check_open()
         inputs, deadline, md = self._client.prepare(
             hidden_states, topk_ids, topk_weights, **options
         )
@@ -103,13 +111,11 @@ class ExpertClient:
         return self.submit(layer, hidden_states, topk_ids, topk_weights, **kwargs).result()
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Close the channels (calls still in flight fail); the shared loop keeps running."""
+        if self._closed:
             return
+        self._closed = True
         self._run(self._client.close())
-        self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        stop_loop_thread(self._loop, self._thread)
 
     def __enter__(self) -> ExpertClient:
         return self

@@ -1,9 +1,13 @@
-"""An asyncio event loop on a thread of its own, for the sync client and the background server.
+"""Asyncio event loops on threads of their own, for the sync client and the background server.
 
-Stopping one (stop_loop_thread) ends its tasks first, as asyncio.run does before it closes its
-loop: grpc.aio leaves a task per stream call awaiting the call's status, and a loop closed
-with such tasks pending logs "Task was destroyed but it is pending!" once for each (the sync
-client closed after one forward logged 8, one per shard stream).
+The sync clients share one loop that is never closed (shared_loop): grpc.aio delivers the
+events of every loop of a process from one poller, and an event for a closed loop raises
+there ("Event loop is closed") and leaves the events queued behind it until the next
+wake-up. A loop that is closed (stop_loop_thread: the background server's) ends its tasks
+first, as asyncio.run does: grpc.aio leaves a task per stream call awaiting the call's
+status, and a loop closed with such tasks pending logs "Task was destroyed but it is
+pending!" once for each (the sync client, when each had its own loop, logged one per shard
+stream at every close).
 
 grpc.aio binds every event loop that uses it to one process-wide completion queue and wakes all
 of them on each event; the loops that lose the race raise BlockingIOError in
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 
 
@@ -38,6 +43,22 @@ def quiet_grpc_wakeups(loop: asyncio.AbstractEventLoop) -> None:
     """Give `loop` (e.g. an application's own, beside the sync client's) the handler that drops
     grpc.aio's spurious wake-up error and passes every other error to asyncio's default."""
     loop.set_exception_handler(_exception_handler)
+
+
+_shared: dict[str, tuple[asyncio.AbstractEventLoop, threading.Thread, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_loop(name: str) -> asyncio.AbstractEventLoop:
+    """The process's loop `name` (start_loop_thread): started on first use and never closed, so
+    grpc.aio never has an event for a closed loop of ours to deliver (the sync clients share
+    "expertd-client"). A forked child starts its own: the parent's thread does not run there."""
+    with _shared_lock:
+        entry = _shared.get(name)
+        if entry is None or entry[2] != os.getpid() or not entry[1].is_alive():
+            loop, thread = start_loop_thread(name)
+            entry = _shared[name] = (loop, thread, os.getpid())
+        return entry[0]
 
 
 def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:

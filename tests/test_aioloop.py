@@ -1,16 +1,19 @@
 """The event loops the sync client and the background server run on: grpc.aio's spurious
 wake-up error (several loops bound to one completion queue, grpc/grpc#25364) is dropped, every
-other error still reaches asyncio's log; stopping a loop ends its tasks first."""
+other error still reaches asyncio's log; stopping a loop ends its tasks first; a shared loop is
+started once per name and runs until the process ends."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import threading
 
 from expertd.aioloop import (
     is_spurious_grpc_wakeup,
     quiet_grpc_wakeups,
+    shared_loop,
     start_loop_thread,
     stop_loop_thread,
 )
@@ -77,3 +80,19 @@ def test_stopping_a_loop_thread_ends_its_tasks_first(caplog):
         gc.collect()
     assert not caplog.records  # no "Task was destroyed but it is pending!"
     stop_loop_thread(loop, thread)  # stopping it again does nothing
+
+
+def test_shared_loop_is_one_running_loop_per_name_restarted_if_its_thread_died():
+    a = shared_loop("expertd-test-shared")
+    assert shared_loop("expertd-test-shared") is a
+    assert shared_loop("expertd-test-other") is not a
+
+    async def where():
+        return asyncio.get_running_loop()
+
+    assert asyncio.run_coroutine_threadsafe(where(), a).result(5) is a
+    # its thread gone (as in a forked child): the next caller gets a new running loop
+    thread = next(t for t in threading.enumerate() if t.name == "expertd-test-shared")
+    stop_loop_thread(a, thread)
+    b = shared_loop("expertd-test-shared")
+    assert b is not a and asyncio.run_coroutine_threadsafe(where(), b).result(5) is b

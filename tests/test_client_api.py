@@ -184,18 +184,29 @@ def test_submit_and_threads_many_in_flight(addresses, full_layers):
         assert relative_error(out, reference_forward(full_layers[layer], x, ids, w)) <= 1e-2
 
 
-def test_close_leaves_no_task_of_the_shard_streams_pending(addresses, caplog):
-    """Closed after a forward, the sync client ends grpc.aio's tasks on its shard streams before
-    it closes its loop (stop_loop_thread); it used to log "Task was destroyed but it is
-    pending!" once per shard."""
+def test_clients_share_one_loop_and_close_alone(addresses, full_layers, caplog):
+    """Every ExpertClient runs on the process's one client loop (shared_loop), which closing a
+    client leaves running: the other client still answers, the closed one refuses with a clear
+    error, and nothing is logged. (With a loop per client, each close logged "Task was destroyed
+    but it is pending!" per shard stream, and grpc.aio's poller later raised "Event loop is
+    closed" for events of the closed loop.)"""
     gen = torch.Generator().manual_seed(14)
     ids, w = routing(4, gen)
+    x = hidden(4, gen)
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        client = ExpertClient(addresses, timeout=30)
-        client.forward(0, hidden(4, gen), ids, w)
-        client.close()
-        del client
+        a = ExpertClient(addresses, timeout=30)
+        b = ExpertClient(addresses, timeout=30)
+        assert a._loop is b._loop and a._loop.is_running()
+        a.forward(0, x, ids, w)
+        a.close()
+        a.close()  # twice: nothing more to do
+        out = b.forward(0, x, ids, w)
+        with pytest.raises(RuntimeError, match="closed"):
+            a.forward(0, x, ids, w)
+        b.close()
+        del a, b
         gc.collect()
+    assert relative_error(out, reference_forward(full_layers[0], x, ids, w)) <= 1e-2
     assert [r.getMessage() for r in caplog.records] == []
 
 
