@@ -80,9 +80,12 @@ def stage_inputs(
 # servers beside it, the caller's threads) the loop thread then waits at the region's barrier
 # for a worker the OS has not run yet: on this project's 2-core CI machine, with 3 busy
 # processes beside it, index_add_ of one 4096-wide row averaged 870 us against a median of 5,
-# and 8 local CPU shards answered M = 1 in 4.4-6.4 ms instead of 6.9-7.2 (session 24). Above
-# it the threads pay for themselves.
-NUMPY_MAX_ELEMENTS = 1 << 22
+# and 8 local CPU shards answered M = 1 in 5.7-6.2 ms instead of 8.0-8.3. On the H200 host (8
+# shard processes, 16 cores) end to end went from 11.5 to 4.3-5.3 ms at M = 1 and from 11.9 to
+# 8.0-8.1 at M = 16, but from 29.0 to 35.6-36.9 at M = 256 with the bound at 2^22 (session
+# 24): numpy on one thread takes longer than the stalls there. Above the bound torch's threads
+# pay for themselves.
+NUMPY_MAX_ELEMENTS = 1 << 17
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
@@ -92,7 +95,9 @@ def _bf16_bits(t: torch.Tensor) -> np.ndarray:
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bf16 bits -> float32, exactly (bf16 is float32's top half)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    u = bits.astype(np.uint32)
+    np.left_shift(u, 16, out=u)
+    return u.view(np.float32)
 
 
 def _f32_to_bf16(a: np.ndarray) -> np.ndarray:
@@ -141,8 +146,12 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
     out = torch.empty((m, hidden_size), dtype=torch.bfloat16, pin_memory=inputs.pinned)
     if m * hidden_size <= NUMPY_MAX_ELEMENTS:  # the same float32 sums, in numpy
         acc = np.zeros((m, hidden_size), dtype=np.float32)
-        for tokens, partial in parts:  # a part's tokens are distinct: += adds each once
-            acc[tokens.numpy()] += _bf16_to_f32(_bf16_bits(partial))
+        for tokens, partial in parts:  # a part's tokens: distinct, ascending (split_routes)
+            f = _bf16_to_f32(_bf16_bits(partial))
+            if tokens.numel() == m:  # every row, in order
+                acc += f
+            else:  # distinct rows: += adds each once
+                acc[tokens.numpy()] += f
         _bf16_bits(out)[:] = _f32_to_bf16(acc)
         return out
     total = torch.zeros((m, hidden_size), dtype=torch.float32)
