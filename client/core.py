@@ -81,10 +81,10 @@ def stage_inputs(
 # for a worker the OS has not run yet: on this project's 2-core CI machine, with 3 busy
 # processes beside it, index_add_ of one 4096-wide row averaged 870 us against a median of 5,
 # and 8 local CPU shards answered M = 1 in 5.7-6.2 ms instead of 8.0-8.3. On the H200 host (8
-# shard processes, 16 cores) end to end went from 11.5 to 4.3-5.3 ms at M = 1 and from 11.9 to
-# 8.0-8.1 at M = 16, but from 29.0 to 35.6-36.9 at M = 256 with the bound at 2^22 (session
-# 24): numpy on one thread takes longer than the stalls there. Above the bound torch's threads
-# pay for themselves.
+# shard processes, 16 cores; benchmarks/service.py, session 24) end to end went from 9.2 to
+# 3.9 ms at M = 1 and from 10.1 to 6.5 at M = 16. A bound of 2^22 also took M = 256 from 29.0
+# to 35.6-36.9 ms: numpy on one thread costs more than the stalls there, and above this bound
+# torch's threads pay for themselves.
 NUMPY_MAX_ELEMENTS = 1 << 17
 
 
