@@ -47,9 +47,7 @@ def test_loop_thread_drops_the_spurious_error_and_logs_the_rest(caplog):
             asyncio.run_coroutine_threadsafe(report(real), loop).result(5)
         assert [r.getMessage() for r in caplog.records] == ["Exception in callback mine()"]
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+        stop_loop_thread(loop, thread)
 
 
 def test_an_applications_own_loop_can_be_quieted(caplog):
