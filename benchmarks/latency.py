@@ -40,7 +40,7 @@ def measure(address: str, preset, ms: list[int], reps: int) -> list[dict]:
             req = shard0_request(preset, m, gen)
             for _ in range(10):  # warm-up (graphs, clocks)
                 stub.Forward(req, timeout=60)
-            rtt, stage, device, total = [], [], [], []
+            rtt, stage, device, total, queue = [], [], [], [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 timing = stub.Forward(req, timeout=60).timing
@@ -48,11 +48,14 @@ def measure(address: str, preset, ms: list[int], reps: int) -> list[dict]:
                 stage.append(timing.stage_us)
                 device.append(timing.device_us)
                 total.append(timing.total_us)
+                queue.append(timing.queue_us)
             rows.append(
                 {
                     "M": m,
                     "round_trip_us": statistics.median(rtt) * 1e6,
+                    "round_trip_p90_us": sorted(rtt)[int(0.9 * (reps - 1))] * 1e6,
                     "server_total_us": statistics.median(total),
+                    "queue_us": statistics.median(queue),
                     "stage_us": statistics.median(stage),
                     "device_us": statistics.median(device),
                 }
@@ -96,12 +99,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"latency-{args.kind}-{result['date']}.json").write_text(json.dumps(result, indent=1))
     print(f"\none shard alone ({result['device']}, {preset.name}), medians in us")
-    print(f"{'depth':>5} {'M':>5} {'round trip':>11} {'server':>8} {'stage':>7} {'device':>8}")
+    print(
+        f"{'depth':>5} {'M':>5} {'round trip':>11} {'p90':>6} {'server':>8} {'queue':>7}"
+        f" {'stage':>7} {'device':>8}"
+    )
     for depth, rows in result["depths"].items():
         for r in rows:
             print(
-                f"{depth:>5} {r['M']:>5} {r['round_trip_us']:>11.0f} {r['server_total_us']:>8.0f}"
-                f" {r['stage_us']:>7.0f} {r['device_us']:>8.0f}"
+                f"{depth:>5} {r['M']:>5} {r['round_trip_us']:>11.0f} {r['round_trip_p90_us']:>6.0f}"
+                f" {r['server_total_us']:>8.0f} {r['queue_us']:>7.0f} {r['stage_us']:>7.0f}"
+                f" {r['device_us']:>8.0f}"
             )
     return 0
 

@@ -60,7 +60,7 @@ def decode(msg: pb.Tensor, name: str, max_elements: int = 2**40) -> torch.Tensor
     numel = math.prod(shape)
     if numel > max_elements:
         raise WireError(f"{name}: declared shape {list(shape)} is larger than any accepted request")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     data = msg.data  # each access of a bytes field copies it (upb): read it once
     if len(data) != numel * itemsize:
         raise WireError(

@@ -12,6 +12,14 @@ pairs, each with its own graphs, so several batches can be in flight: one
 being copied in while another computes and a third is copied out. All graphs
 share one memory pool and run on one stream, one at a time.
 
+Small buckets (up to `fused_rows` tokens) can also hold the two copies: given a
+slot's pinned host buffers, their graph copies the bucket's whole input in,
+runs the forward and copies the whole output back, so a small batch is one
+replay instead of two copies, four events and a replay (each a Python call
+into CUDA: ~160 us of host time at M = 1 on the H200 host against ~65 us,
+benchmarks/runner_latency.py). The copies move the bucket's rows, not only the
+batch's, which costs little below 64 rows (<= 0.5 MiB at H = 4096).
+
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
 host sync or allocation inside it (the `cuda` backend).
 """
@@ -130,11 +138,18 @@ class GraphBank:
     """Graphs for (layer, bucket, slot) over each slot's packed device buffers."""
 
     def __init__(
-        self, backend, hidden_size: int, top_k: int, buckets=DEFAULT_BUCKETS, slots: int = 1
+        self,
+        backend,
+        hidden_size: int,
+        top_k: int,
+        buckets=DEFAULT_BUCKETS,
+        slots: int = 1,
+        fused_rows: int = 0,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.backend = backend
+        self.fused_rows = fused_rows
         self.device = backend.device
         self.top_k = top_k
         self.buckets = sorted(buckets)
@@ -157,8 +172,26 @@ class GraphBank:
         """Slot's packed (input, output) device buffers: uint8, fixed addresses."""
         return self._in[slot], self._out[slot]
 
-    def capture(self, layer: int, state) -> None:
-        """Capture every (bucket, slot) of `layer` (outside any other capture; warms up first)."""
+    def fused(self, bucket: int) -> bool:
+        """Whether `bucket`'s graphs hold the copies in and out (see `capture`)."""
+        return bucket <= self.fused_rows
+
+    def fused_bytes(self) -> tuple[int, int]:
+        """(input, output) bytes the host buffers of the fused buckets need."""
+        small = [self.layouts[b] for b in self.buckets if self.fused(b)]
+        return max((lay.in_bytes for lay in small), default=0), max(
+            (lay.out_bytes for lay in small), default=0
+        )
+
+    def capture(self, layer: int, state, hosts=None) -> None:
+        """Capture every (bucket, slot) of `layer` (outside any other capture; warms up first).
+
+        `hosts[slot]` = (input, output): pinned uint8 host buffers of at least
+        `fused_bytes()`, which must stay allocated as long as the graphs live.
+        Given them, the fused buckets' graphs copy the bucket's whole input from
+        `input` and its whole output into `output` around the forward."""
+        if self.fused_rows and (hosts is None or len(hosts) != self.slots):
+            raise ValueError(f"fused buckets need {self.slots} pairs of host buffers")
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -176,7 +209,13 @@ class GraphBank:
                         forward_checked(*args)  # warm-up
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                        if self.fused(m):
+                            host_in, host_out = hosts[slot]
+                            n_in, n_out = layout.in_bytes, layout.out_bytes
+                            self._in[slot][:n_in].copy_(host_in[:n_in], non_blocking=True)
                         forward_checked(*args)
+                        if self.fused(m):
+                            host_out[:n_out].copy_(self._out[slot][:n_out], non_blocking=True)
                     self._graphs[(layer, m, slot)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 

@@ -20,6 +20,12 @@ The host waits for nothing but a batch's own download event, before its
 results are read. The NaN/Inf check runs on the device (inside the graph) and
 its flags come back in the same copy as the output.
 
+Batches of up to FUSED_ROWS tokens run a graph that holds the copies too
+(kernels/graphs.py): gathered into the slot's fixed pinned buffers, they are one
+replay on the compute stream and one event, a third of the host time of the
+path above (the copies of a small batch take microseconds, so overlapping them
+with other batches' compute is worth less than the Python calls it needs).
+
 Other devices (CPU): `launch` gathers (a single request is used as received,
 several with the same packing code), the forward runs in `wait`; one slot by
 default, so batches run one at a time as before.
@@ -48,15 +54,29 @@ from expertd.server.staging import HostStaging, Result, SlotPool
 log = logging.getLogger("expertd.server")
 
 CUDA_DEPTH = 2  # batches in flight on a GPU: one computing, the next being copied in
+FUSED_ROWS = 64  # graph buckets up to this many tokens copy in and out inside the graph
 
 
 class _Slot:
     """One batch's worth of buffers (and, on CUDA, its events)."""
 
-    def __init__(self, index: int, device: torch.device, in_bytes: int, out_bytes: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        device: torch.device,
+        in_bytes: int,
+        out_bytes: int,
+        fused_bytes: tuple[int, int] = (0, 0),
+    ) -> None:
         cuda = device.type == "cuda"
         self.index = index
         self.host = HostStaging(pin=cuda, in_bytes=in_bytes, out_bytes=out_bytes)
+        # The fused buckets' graphs copy from and to these: never reallocated.
+        self.graph_host = (
+            HostStaging(pin=True, in_bytes=fused_bytes[0], out_bytes=fused_bytes[1], fixed=True)
+            if fused_bytes[0]
+            else None
+        )
         # Device buffers of eager batches (larger than any graph bucket), grown on demand;
         # graphed batches use the GraphBank's fixed buffers of this slot.
         self.dev_in: torch.Tensor | None = None
@@ -79,12 +99,21 @@ class Flight:
     """A launched batch: `wait()` for its results, then `release()` its slot once
     they have been read (its result arrays may be views of the slot's buffers)."""
 
-    __slots__ = ("_host", "_result", "_runner", "_slot", "layout", "m", "stage_ns")
+    __slots__ = ("_host", "_result", "_runner", "_slot", "layout", "m", "stage_ns", "staging")
 
-    def __init__(self, runner, slot: _Slot, layout: Layout | None, m: int, stage_ns: int) -> None:
+    def __init__(
+        self,
+        runner,
+        slot: _Slot,
+        layout: Layout | None,
+        m: int,
+        stage_ns: int,
+        staging: HostStaging | None = None,
+    ) -> None:
         self._runner = runner
         self._slot: _Slot | None = slot
         self.layout = layout  # on CUDA: the layout of the slot's buffers this batch uses
+        self.staging = staging  # on CUDA: the slot's host buffers this batch uses
         self.m = m
         self.stage_ns = stage_ns  # host time spent gathering the requests
         self._result: Result | None = None
@@ -130,12 +159,18 @@ class BatchRunner:
         buckets = [b for b in DEFAULT_BUCKETS if b <= graph_max_tokens]
         if buckets and capturable(bank.backend):
             top_k = bank.info.top_k or 8
-            self.graphs = GraphBank(bank.backend, self.hidden, top_k, buckets, slots=self.depth)
+            self.graphs = GraphBank(
+                bank.backend, self.hidden, top_k, buckets, slots=self.depth, fused_rows=FUSED_ROWS
+            )
         in_bytes = out_bytes = 0
+        fused = (0, 0)
         if self.graphs is not None:  # pinned once, up front, for every bucket
             in_bytes = max(lay.in_bytes for lay in self.graphs.layouts.values())
             out_bytes = max(lay.out_bytes for lay in self.graphs.layouts.values())
-        self._slot_bufs = [_Slot(i, self.device, in_bytes, out_bytes) for i in range(self.depth)]
+            fused = self.graphs.fused_bytes()
+        self._slot_bufs = [
+            _Slot(i, self.device, in_bytes, out_bytes, fused) for i in range(self.depth)
+        ]
         if cuda:
             self._upload = torch.cuda.Stream(self.device)
             self._compute = torch.cuda.Stream(self.device)
@@ -150,7 +185,10 @@ class BatchRunner:
         no_route, weight = torch.full((1, 1), -1, dtype=torch.int32), torch.zeros((1, 1))
         for layer in self.bank.info.layers:
             if self.graphs is not None:
-                self.graphs.capture(layer, self.bank.state(layer))
+                hosts = None
+                if self._slot_bufs[0].graph_host is not None:
+                    hosts = [(s.graph_host.input, s.graph_host.output) for s in self._slot_bufs]
+                self.graphs.capture(layer, self.bank.state(layer), hosts)
             for _ in range(self.depth):  # slots are handed out in turn
                 self.run(layer, [x], [no_route], [weight])
         if self.device.type == "cuda":
@@ -192,15 +230,22 @@ class BatchRunner:
             layout = (
                 self.graphs.layouts[bucket] if bucket is not None else Layout(m, k, self.hidden)
             )
-            slot.host.pack(layout, xs, ids, ws)
-            flight = Flight(self, slot, layout, m, time.perf_counter_ns() - start)
+            fused = bucket is not None and self.graphs.fused(bucket)
+            staging = slot.graph_host if fused else slot.host
+            staging.pack(layout, xs, ids, ws)
+            flight = Flight(self, slot, layout, m, time.perf_counter_ns() - start, staging)
             if m == 0:
                 flight._result = Result(
                     np.zeros((0, 2 * self.hidden), np.uint8), np.zeros(0, np.bool_)
                 )
             else:
                 queued = True
-                self._enqueue(slot, layer, state, layout, bucket, m)
+                if fused:
+                    with torch.cuda.stream(self._compute):
+                        self.graphs.replay(layer, bucket, slot.index)
+                        slot.downloaded.record()
+                else:
+                    self._enqueue(slot, layer, state, layout, bucket, m)
             return flight
         except BaseException:
             if queued:  # part of this batch may be queued on the streams: let it end first
@@ -261,4 +306,4 @@ class BatchRunner:
             return Result.of(out, bad)
         with torch.cuda.device(self.device):
             flight._slot.downloaded.synchronize()
-        return flight._slot.host.result(flight.layout, flight.m)
+        return flight.staging.result(flight.layout, flight.m)

@@ -59,10 +59,15 @@ def _as_float32(w: torch.Tensor) -> np.ndarray:
 
 class HostStaging:
     """One slot's packed host buffers: `input` (filled by `pack`) and `output` (the
-    device copies the results there), uint8, pinned when `pin`; grown on demand."""
+    device copies the results there), uint8, pinned when `pin`; grown on demand,
+    unless `fixed` (CUDA graphs copy from and to their addresses): then a layout
+    that does not fit is refused."""
 
-    def __init__(self, pin: bool, in_bytes: int = 0, out_bytes: int = 0) -> None:
+    def __init__(
+        self, pin: bool, in_bytes: int = 0, out_bytes: int = 0, fixed: bool = False
+    ) -> None:
         self.pin = pin
+        self.fixed = False
         self.input = self._alloc(0)
         self.output = self._alloc(0)
         self._in_np = self.input.numpy()
@@ -72,12 +77,18 @@ class HostStaging:
         # None: unknown contents, reset every padding row next time.
         self._used: tuple[Layout, int] | None = None
         self.reserve(in_bytes, out_bytes)
+        self.fixed = fixed
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def reserve(self, in_bytes: int, out_bytes: int) -> None:
         """Grow the buffers to at least these sizes (a no-op when they are)."""
+        if self.fixed and (in_bytes > self.input.numel() or out_bytes > self.output.numel()):
+            raise ValueError(
+                f"fixed host buffers of {self.input.numel()} / {self.output.numel()} bytes "
+                f"cannot take {in_bytes} / {out_bytes}"
+            )
         if in_bytes > self.input.numel():
             self.input = self._alloc(in_bytes)
             self._in_np = self.input.numpy()

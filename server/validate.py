@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from expertd import wire
@@ -88,10 +89,10 @@ def parse_forward(
     if m and not 1 <= top_k <= limits.max_top_k:
         raise invalid(f"topk_ids: top_k {top_k} outside [1, {limits.max_top_k}]")
     if ids.numel():
-        bad = (ids < -1) | (ids >= info.num_experts)
-        if bool(bad.any()):
-            t, j = (int(v) for v in bad.nonzero()[0])
-            raise invalid(f"topk_ids[{t}, {j}] = {int(ids[t, j])} outside [-1, {info.num_experts})")
+        a = ids.numpy()  # numpy's reductions cost a third of torch's on a small tensor
+        if a.min() < -1 or a.max() >= info.num_experts:
+            t, j = (int(v) for v in np.argwhere((a < -1) | (a >= info.num_experts))[0])
+            raise invalid(f"topk_ids[{t}, {j}] = {int(a[t, j])} outside [-1, {info.num_experts})")
     # NaN/Inf are checked where the data is touched anyway: on the device after
     # the copy (CUDA) or in the batch runner (CPU); see server/runner.py.
     return ForwardArgs(req.layer, x, ids, w)

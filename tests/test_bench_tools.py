@@ -4,10 +4,12 @@ inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 (benchmarks/carry_libs.py), the bit comparison of their outputs (benchmarks/lib_bits.py) and the
 clock / power summary a timing is read with (benchmarks/gpu_clocks.py), the energy A/B's
 pairing (benchmarks/energy_ab.py), the tile statistics of an input set
-(benchmarks/set_spread.py) and the slot occupancy read from a timeline (benchmarks/timeline.py)."""
+(benchmarks/set_spread.py), the slot occupancy read from a timeline (benchmarks/timeline.py),
+and the serving path's host-cost probes (benchmarks/rpc_floor.py, benchmarks/runner_latency.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from math import comb
@@ -23,6 +25,8 @@ import energy_ab
 import gpu_clocks
 import lib_ab
 import lib_bits
+import rpc_floor
+import runner_latency
 import set_spread
 
 _had_timeline = os.environ.get("EXPERTD_KERNEL_TIMELINE")
@@ -263,3 +267,22 @@ def test_timeline_occupancy_counts_slots_idle_time_and_the_tail():
     assert o["tail_us"] == 5.0  # last entry 6.0, last done 11.0
     # first half [1, 6): 4 + 5 + 0 + 2 streaming; second half [6, 11): 0 + 3 + 3 + 0
     assert o["profile"] == [round(11 / 20, 3), round(6 / 20, 3)]
+
+
+def test_rpc_floor_times_the_request_steps_and_real_round_trips():
+    steps = rpc_floor.python_steps(2, reps=20)
+    assert steps["request_bytes"] > 2 * 2 * 4096  # the two rows' bf16 bytes and more
+    assert all(steps[k] > 0 for k in ("parse_us", "validate_us", "pack_us", "encode_us"))
+    rpc = rpc_floor.round_trips(bytes(100), bytes(200), reps=20)
+    assert set(rpc) == {"echo", "hop"}
+    assert all(0 < r["median_us"] <= r["p90_us"] for r in rpc.values())
+
+
+def test_runner_latency_on_cpu_writes_its_rows(tmp_path, monkeypatch):
+    argv = ["runner_latency.py", "--out", str(tmp_path), "--preset", "small", "--ms", "1,3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--reps", "5", "--device", "cpu"])
+    assert runner_latency.main() == 0
+    (written,) = tmp_path.glob("runner-latency-cpu-*.json")
+    rows = json.loads(written.read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 3]
+    assert all(r["launch"]["median"] > 0 and r["run"]["median"] > 0 for r in rows)

@@ -20,9 +20,10 @@ from loadgen import outcomes
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
+from expertd.server import runner as runner_module
 from expertd.server.app import BackgroundServer
 from expertd.server.config import ServerConfig, shard_experts
-from expertd.server.runner import BatchRunner
+from expertd.server.runner import FUSED_ROWS, BatchRunner
 from expertd.server.synthetic import get_preset, synthetic_layer
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
@@ -142,12 +143,18 @@ def test_concurrent_mixed_requests_match_the_reference(served):
 
 def test_pipelined_batches_are_bit_identical_to_one_at_a_time(served):
     """No merging (one request a batch), so each request runs exactly the forward it
-    runs alone, in whichever slot: overlapped batches must not share a byte."""
+    runs alone, in whichever slot and on whichever thread (small lone requests run
+    on the event loop, others on the compute thread): overlapped batches must not
+    share a byte."""
     name, preset, experts, full, server = served
     config = dataclasses.replace(server.config, max_batch_requests=1, listen="127.0.0.1:0")
     with BackgroundServer(config, bank=server.bank) as solo:
+        batcher, ran_here = solo._running.servicer.batcher, []
+        run_here = batcher._run_here  # small lone batches run on the event loop
+        batcher._run_here = lambda jobs: (ran_here.append(len(jobs)), run_here(jobs))
         cases = mixed_cases(name, preset, experts, n=48)
         sequential = send_one_by_one(solo.address, cases)
+        assert ran_here, "no small request ran on the event loop"
         check(name, cases, send_all(solo.address, cases), full, sequential)
 
 
@@ -167,7 +174,8 @@ def _busy(stream: torch.cuda.Stream, ms: float = 200.0) -> None:
 def test_copies_overlap_compute_and_launch_never_waits(served):
     name, preset, experts, _, server = served
     runner = _runner(server)
-    a, b, c = (make_case(preset, experts, m, s)[1] for m, s in ((5, 1), (300, 2), (1100, 3)))
+    # 100 tokens: above the buckets whose graphs hold the copies (FUSED_ROWS)
+    a, b, c = (make_case(preset, experts, m, s)[1] for m, s in ((100, 1), (300, 2), (1100, 3)))
     want = [runner.run(0, [x], [i], [w])[0].clone() for x, i, w in (a, b, c)]
 
     # Compute stream stalled: batch A's copy in still completes, and launching returns.
@@ -189,6 +197,25 @@ def test_copies_overlap_compute_and_launch_never_waits(served):
         out = flight.wait().out
         assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), name
         flight.release()
+
+
+def test_small_buckets_copying_inside_their_graph_give_the_copy_path_bits(served, monkeypatch):
+    """Buckets up to FUSED_ROWS tokens copy in and out inside their graph (one replay);
+    each batch gets the bits the three-stream path gives it, also with eager batches
+    (which grow the slots' other host buffers) and NaN rows in between."""
+    name, preset, experts, _, server = served
+    fused = _runner(server)
+    monkeypatch.setattr(runner_module, "FUSED_ROWS", 0)
+    plain = _runner(server)
+    assert fused.graphs.fused(FUSED_ROWS) and not plain.graphs.fused(1)
+    rnd = random.Random(11)
+    sizes = [1, 2, 3, 5, 8, 13, 16, 31, 33, 64, 65, 1100]
+    for s in range(30):
+        m = rnd.choice(sizes) if s >= len(sizes) else sizes[s]
+        x, i, w = make_case(preset, experts, m, 500 + s, nan=s % 7 == 3)[1]
+        got, want = fused.run(0, [x], [i], [w]), plain.run(0, [x], [i], [w])
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), (name, m)
+        assert torch.equal(got[1], want[1]) and bool(got[1].any()) == (s % 7 == 3)
 
 
 def test_many_flights_through_three_slots_keep_their_buffers(served):

@@ -23,7 +23,7 @@ from expertd.codec import parse_forward_response
 from expertd.kernels import reference_forward, relative_error
 from expertd.kernels.graphs import ALIGN, Layout
 from expertd.server.bank import ExpertBank
-from expertd.server.batcher import Batcher, BatchPolicy, Job
+from expertd.server.batcher import INLINE_TOKENS, Batcher, BatchPolicy, Job
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.staging import HostStaging, Result, SlotPool
@@ -393,3 +393,62 @@ def test_serve_takes_the_pipeline_depth_from_its_flag_and_environment(monkeypatc
     assert args.pipeline_depth == 1
     monkeypatch.setenv("EXPERTD_PIPELINE_DEPTH", "3")
     assert build_parser().parse_args(["serve", "--synthetic", "small"]).pipeline_depth == 3
+
+
+def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
+    bank0, full_layers, monkeypatch
+):
+    """The batcher's inline path (server/batcher.py `_run_here`, a GPU's small lone
+    batches), allowed here on CPU: answers are the reference's, a launch that fails
+    fails its own batch's callers only, and larger batches still take the compute
+    thread."""
+    runner = BatchRunner(bank0, depth=2)
+    monkeypatch.setattr(
+        Batcher, "_here", lambda self, tokens: tokens <= INLINE_TOKENS and self.computing == 0
+    )
+    here, threaded = [], []
+    run_here, launch_there = Batcher._run_here, Batcher._launch
+    monkeypatch.setattr(
+        Batcher, "_run_here", lambda self, jobs: (here.append(len(jobs)), run_here(self, jobs))
+    )
+    monkeypatch.setattr(
+        Batcher,
+        "_launch",
+        lambda self, jobs: (threaded.append(len(jobs)), launch_there(self, jobs))[1],
+    )
+    launch, failing = runner.launch, {3}
+
+    def launch_or_fail(layer, xs, ids, ws):
+        if xs[0].shape[0] in failing:
+            raise RuntimeError("device fault (simulated)")
+        return launch(layer, xs, ids, ws)
+
+    runner.launch = launch_or_fail
+    cases = [forward_request(m, 8, seed) for seed, m in enumerate([1, 3, 16, 2, 40, 1])]
+    limits = Limits(max_tokens=1024, max_top_k=64)
+
+    async def go():
+        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
+        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        results = []
+        for req, _ in cases:  # one at a time: each is a lone batch
+            args = parse_forward(req, bank0.info, limits, bank0.has_layer)
+            job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
+            batcher.submit(job)
+            results.append(await asyncio.gather(job.future, return_exceptions=True))
+        await batcher.stop()
+        compute.shutdown()
+        return [r[0] for r in results]
+
+    results = asyncio.run(go())
+    assert here == [1, 1, 1, 1, 1] and threaded == [1]  # 40 tokens: the compute thread
+    assert runner._slots.free == 2
+    for (req, (x, ids, w)), res in zip(cases, results, strict=True):
+        if x.shape[0] in failing:
+            assert isinstance(res, RuntimeError) and "simulated" in str(res)
+            continue
+        out = wire.decode(parse_forward_response(res).output, "output")
+        ref = reference_forward(full_layers[req.layer], x, ids, w.float())
+        assert relative_error(out, ref) <= 1e-2
