@@ -10,8 +10,9 @@ round trip and the server's per-request Python, measured apart.
    compare hosts.
 2. Round trips of a sync client against grpc.aio servers on loopback TCP that
    answer a request of the same size with a response of the same size as ours:
-     echo   the handler answers at once
-     hop    the handler awaits one thread-pool round trip (loop -> thread -> loop)
+     echo         the handler answers at once
+     hop          the handler awaits one thread-pool round trip (loop -> thread -> loop)
+     intercepted  echo behind the server's MalformedRequestInterceptor (server/malformed.py)
 Writes JSON; prints a table last.
 """
 
@@ -34,6 +35,7 @@ import torch
 from expertd import codec, wire
 from expertd.kernels.graphs import Layout
 from expertd.server.bank import ModelInfo
+from expertd.server.malformed import MalformedRequestInterceptor
 from expertd.server.staging import HostStaging
 from expertd.server.validate import Limits, parse_forward
 from expertd.v1 import expertd_pb2 as pb
@@ -116,8 +118,11 @@ class _Echo:
         asyncio.set_event_loop(self.loop)
 
         async def start() -> None:
-            self.server = grpc.aio.server(options=OPTIONS)
-            handler = grpc.unary_unary_rpc_method_handler(self._handle)
+            interceptors = [MalformedRequestInterceptor()] if self.mode == "intercepted" else []
+            self.server = grpc.aio.server(options=OPTIONS, interceptors=interceptors)
+            handler = grpc.unary_unary_rpc_method_handler(
+                self._handle, request_deserializer=bytes, response_serializer=bytes
+            )
             self.server.add_generic_rpc_handlers(
                 [grpc.method_handlers_generic_handler("floor.Echo", {"Call": handler})]
             )
@@ -136,7 +141,7 @@ class _Echo:
 
 def round_trips(request: bytes, reply: bytes, reps: int) -> dict:
     out = {}
-    for mode in ("echo", "hop"):
+    for mode in ("echo", "hop", "intercepted"):
         server = _Echo(mode, reply)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=OPTIONS) as ch:

@@ -274,7 +274,7 @@ def test_rpc_floor_times_the_request_steps_and_real_round_trips():
     assert steps["request_bytes"] > 2 * 2 * 4096  # the two rows' bf16 bytes and more
     assert all(steps[k] > 0 for k in ("parse_us", "validate_us", "pack_us", "encode_us"))
     rpc = rpc_floor.round_trips(bytes(100), bytes(200), reps=20)
-    assert set(rpc) == {"echo", "hop"}
+    assert set(rpc) == {"echo", "hop", "intercepted"}
     assert all(0 < r["median_us"] <= r["p90_us"] for r in rpc.values())
 
 
