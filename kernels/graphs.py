@@ -178,10 +178,11 @@ class GraphBank:
 
     def fused_bytes(self) -> tuple[int, int]:
         """(input, output) bytes the host buffers of the fused buckets need."""
-        small = [self.layouts[b] for b in self.buckets if self.fused(b)]
-        return max((lay.in_bytes for lay in small), default=0), max(
-            (lay.out_bytes for lay in small), default=0
-        )
+        small = [b for b in self.buckets if self.fused(b)]
+        if not small:
+            return 0, 0
+        largest = self.layouts[small[-1]]  # buckets are sorted; sizes grow with rows
+        return largest.in_bytes, largest.out_bytes
 
     def capture(self, layer: int, state, hosts=None) -> None:
         """Capture every (bucket, slot) of `layer` (outside any other capture; warms up first).

@@ -240,12 +240,7 @@ class BatchRunner:
                 )
             else:
                 queued = True
-                if fused:
-                    with torch.cuda.stream(self._compute):
-                        self.graphs.replay(layer, bucket, slot.index)
-                        slot.downloaded.record()
-                else:
-                    self._enqueue(slot, layer, state, layout, bucket, m)
+                self._enqueue(slot, layer, state, layout, bucket, m, fused)
             return flight
         except BaseException:
             if queued:  # part of this batch may be queued on the streams: let it end first
@@ -267,10 +262,23 @@ class BatchRunner:
         return flight
 
     def _enqueue(
-        self, slot: _Slot, layer: int, state, layout: Layout, bucket: int | None, m: int
+        self,
+        slot: _Slot,
+        layer: int,
+        state,
+        layout: Layout,
+        bucket: int | None,
+        m: int,
+        fused: bool,
     ) -> None:
         """Queue one batch: copy in (upload stream), forward (compute stream), copy
-        out (download stream), each stage waiting on the previous one's event."""
+        out (download stream), each stage waiting on the previous one's event; a
+        fused bucket's graph does all three on the compute stream."""
+        if fused:
+            with torch.cuda.stream(self._compute):
+                self.graphs.replay(layer, bucket, slot.index)
+                slot.downloaded.record()
+            return
         if bucket is not None:
             dev_in, dev_out = self.graphs.buffers(slot.index)
         else:
