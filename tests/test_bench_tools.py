@@ -3,7 +3,8 @@ inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 (benchmarks/lib_ab.py), the SASS comparison of the libraries a call carries
 (benchmarks/carry_libs.py), the bit comparison of their outputs (benchmarks/lib_bits.py) and the
 clock / power summary a timing is read with (benchmarks/gpu_clocks.py), the energy A/B's
-pairing (benchmarks/energy_ab.py), the tile statistics of an input set
+pairing (benchmarks/energy_ab.py), the energy floor under the power limit
+(benchmarks/energy_floor.py), the tile statistics of an input set
 (benchmarks/set_spread.py), the slot occupancy read from a timeline (benchmarks/timeline.py),
 and the serving path's host-cost probes (benchmarks/rpc_floor.py, benchmarks/runner_latency.py)."""
 
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import carry_libs
 import decode_cases
 import energy_ab
+import energy_floor
 import gpu_clocks
 import lib_ab
 import lib_bits
@@ -286,3 +288,23 @@ def test_runner_latency_on_cpu_writes_its_rows(tmp_path, monkeypatch):
     rows = json.loads(written.read_text())["rows"]
     assert [r["M"] for r in rows] == [1, 3]
     assert all(r["launch"]["median"] > 0 and r["run"]["median"] > 0 for r in rows)
+
+
+def test_energy_floor_adds_read_and_mma_energy_over_the_budget():
+    rates = {
+        "copy_Bps": 4e12,
+        "matmul_flops": 5e14,
+        "j_per_byte": 50e-12,
+        "j_per_flop": 1e-12,
+        "budget_w": 500.0,
+    }
+    r = energy_floor.energy_row(1024, nbytes=8e8, flops=1e11, rates=rates)
+    assert r["floor_us"] == pytest.approx(200.0)  # bytes and flops both take 200 us
+    assert r["read_mj"] == pytest.approx(40.0) and r["mma_mj"] == pytest.approx(100.0)
+    assert r["t_energy_us"] == pytest.approx(280.0)  # 140 mJ / 500 W
+    assert r["t_energy_x_floor"] == pytest.approx(1.4)
+    assert r["target_x"] == 1.25 and r["target_us"] == pytest.approx(250.0)
+    assert r["left_mj"] == pytest.approx(-15.0)  # the target is 30 us of budget short
+    assert energy_floor.target(1) == 2.0 and energy_floor.target(2048) == 1.5
+    small = energy_floor.energy_row(16, nbytes=8e8, flops=1e9, rates=rates)
+    assert small["floor_us"] == pytest.approx(200.0) and small["left_mj"] > 0
