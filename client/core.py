@@ -9,6 +9,8 @@ on CPU nothing is pinned (pinning needs a CUDA driver).
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,18 +76,41 @@ def stage_inputs(
     return Inputs(x, ids, weights, hidden_states.device)
 
 
-# Up to this many elements the client loop's per-call tensor work (each shard's rows, the sum
-# of the answers) runs in numpy, on the loop's thread alone. torch's CPU ops open an OpenMP
-# region (index_add_ at any size, others from 32768 elements), and in a busy process (shard
-# servers beside it, the caller's threads) the loop thread then waits at the region's barrier
-# for a worker the OS has not run yet: on this project's 2-core CI machine, with 3 busy
-# processes beside it, index_add_ of one 4096-wide row averaged 870 us against a median of 5,
-# and 8 local CPU shards answered M = 1 in 5.7-6.2 ms instead of 8.0-8.3. On the H200 host (8
-# shard processes, 16 cores; benchmarks/service.py, session 24) end to end went from 9.2 to
-# 3.9 ms at M = 1 and from 10.1 to 6.5 at M = 16. A bound of 2^22 also took M = 256 from 29.0
-# to 35.6-36.9 ms: numpy on one thread costs more than the stalls there, and above this bound
-# torch's threads pay for themselves.
-NUMPY_MAX_ELEMENTS = 1 << 17
+# The client's per-call tensor work (each shard's rows, the sum of the answers) runs on the
+# loop's thread in numpy at every size, with no thread pool. torch's CPU ops open an OpenMP
+# region (index_add_ even for one row, indexing from a few thousand elements, elementwise
+# kernels above TORCH_INLINE_ELEMENTS), and in a busy process (shard servers beside it, the
+# caller's threads) the loop thread then waits at the region's barrier for a worker the OS
+# has not run yet: on this project's 2-core CI machine, with 3 busy processes beside it,
+# index_add_ of one 4096-wide row averaged 870 us against a median of 5; on the H200 host
+# (16 cores, 8 shard processes) index_add_ was ~16% of the client loop's busy time at M = 64
+# (py-spy, session 25). The only torch kernel left is the float32 -> bf16 rounding, in
+# pieces small enough to run inline (one pass where numpy needs six).
+#
+# benchmarks/client_combine.py on the 2-core CI machine (H = 4096, 8 shards holding ~2/3 of
+# the tokens each, ms per combine, median when quiet / mean beside 3 busy processes):
+#   M      1             16            64            256           1024
+#   new    0.043 / 0.045 0.16 / 0.30   0.38 / 0.81   1.41 / 2.9    6.2 / 13.4
+#   old    0.068 / 0.20  0.20 / 0.41   0.22 / 1.07   0.78 / 9.2    6.4 / 63
+# (old: numpy up to 2^17 elements, torch's index_add_ on 2 threads above). Quiet, torch on
+# one thread (not an option: the thread count is process-wide) did 0.12, 0.29 and 1.20 ms
+# at M = 16, 64 and 256, where the new sum moves ~1.4x the bytes its kernels do (numpy
+# stages each answer as float32 before adding it). Each shard's rows: numpy's gather took
+# 0.27 ms for 8 shards at M = 256 against torch's 0.77 on 2 threads.
+
+# torch's elementwise CPU kernels run inline up to this many elements (at::internal::
+# GRAIN_SIZE): in a fresh process, copy_ of 32768 elements starts no OpenMP worker, of 32769
+# it does (tests/test_client_combine.py checks combine and forward_request start none).
+TORCH_INLINE_ELEMENTS = 32768
+
+# combine sums blocks of output rows of about this many elements, each block's answer rows
+# staged as float32 in a per-thread buffer kept between calls (~4 bytes per element per
+# answer holding a row: ~5.5 MiB at H = 4096; a fresh buffer that size costs more in page
+# faults than the sum). Per combine at M = 256 / 1024: 1.69 / 7.7 ms at 2^16, 1.41 / 6.0 at
+# 2^18, 1.50 / 6.0 at 2^19, 2.08 / 6.8 at 2^20.
+COMBINE_BLOCK_ELEMENTS = 1 << 18
+
+_scratch = threading.local()  # combine runs on whichever thread calls it
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
@@ -93,31 +118,14 @@ def _bf16_bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits -> float32, exactly (bf16 is float32's top half)."""
-    u = bits.astype(np.uint32)
-    np.left_shift(u, 16, out=u)
-    return u.view(np.float32)
-
-
-def _f32_to_bf16(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, rounded to nearest even as torch rounds; NaN -> a quiet NaN
-    (0x7FC0; torch's vectorized conversion writes 0xFFFF, also a NaN)."""
-    u = a.view(np.uint32)
-    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
 def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> ForwardRequestOut:
-    """This shard's request; its tensors reach the wire in one copy (expertd/codec.py)."""
-    if part.tokens.numel() * inputs.x.shape[1] <= NUMPY_MAX_ELEMENTS:
+    """This shard's request; its tensors reach the wire in one copy (expertd/codec.py).
+    The rows are gathered in numpy: torch's indexing opens an OpenMP region."""
+    if part.tokens.numel() == inputs.x.shape[0]:  # distinct rows, all of them: in order
+        x = inputs.x
+    else:
         rows = _bf16_bits(inputs.x)[part.tokens.numpy()]
         x = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
-    else:
-        x = inputs.x[part.tokens]
     return ForwardRequestOut(layer, x, part.topk_ids, part.topk_weights)
 
 
@@ -126,38 +134,145 @@ class Piece:
     """One shard's answer: its partial output for some of the call's tokens."""
 
     shard: int
-    tokens: torch.Tensor  # int64 [Ms]: rows of the call
+    tokens: torch.Tensor  # int64 [Ms]: rows of the call, distinct and ascending
     output: pb.Tensor  # bf16 [Ms, H] on the wire
+
+
+def _answer_bits(piece: Piece, hidden_size: int) -> np.ndarray:
+    """A piece's output as bf16 bits [Ms, H], viewed over the message's bytes."""
+    msg = piece.output
+    rows = piece.tokens.numel()
+    data = msg.data  # a protobuf bytes field copies on each access: read it once
+    shape = [rows, hidden_size]
+    if msg.dtype == pb.BF16 and list(msg.shape) == shape and len(data) == rows * hidden_size * 2:
+        return np.frombuffer(data, np.uint16).reshape(shape)
+    partial = wire.decode(msg, "output")  # raises WireError naming what is malformed
+    if tuple(partial.shape) != (rows, hidden_size):
+        raise ValueError(
+            f"shard returned output of shape {list(partial.shape)}, "
+            f"expected [{rows}, {hidden_size}]"
+        )
+    raise ValueError(f"shard returned output of dtype {partial.dtype}, expected bfloat16")
+
+
+def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch tensor `name` of at least `numel` elements (grown, never shrunk)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf
 
 
 def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tensor:
     """Sum the partial outputs in float32 in shard order (independent of which
-    answers first), round once to bf16 -> [M, H] on the host (pinned for CUDA)."""
-    m = inputs.x.shape[0]
-    parts = []
-    for piece in sorted(pieces, key=lambda p: p.shard):  # stable: same order every time
-        partial = wire.decode(piece.output, "output")
-        if tuple(partial.shape) != (piece.tokens.numel(), hidden_size):
-            raise ValueError(
-                f"shard returned output of shape {list(partial.shape)}, "
-                f"expected [{piece.tokens.numel()}, {hidden_size}]"
-            )
-        parts.append((piece.tokens, partial))
-    out = torch.empty((m, hidden_size), dtype=torch.bfloat16, pin_memory=inputs.pinned)
-    if m * hidden_size <= NUMPY_MAX_ELEMENTS:  # the same float32 sums, in numpy
-        acc = np.zeros((m, hidden_size), dtype=np.float32)
-        for tokens, partial in parts:  # a part's tokens: distinct, ascending (split_routes)
-            f = _bf16_to_f32(_bf16_bits(partial))
-            if tokens.numel() == m:  # every row, in order
-                acc += f
-            else:  # distinct rows: += adds each once
-                acc[tokens.numpy()] += f
-        _bf16_bits(out)[:] = _f32_to_bf16(acc)
+    answers first), round once to bf16 -> [M, H] on the host (pinned for CUDA).
+
+    The same bits as zeros(M, H) + index_add_ of each answer in shard order, then .to(bf16)
+    (NaN aside: as torch's conversion writes it), computed in numpy without index_add_'s
+    gathers: within a block of output rows, rows are ordered by how many answers hold them,
+    so each row's j-th addend (in shard order) lies in one dense slice for every j."""
+    m, h = inputs.x.shape[0], hidden_size
+    answers = []  # (rows, bits) in shard order; the sort is stable: same order every time
+    for piece in sorted(pieces, key=lambda p: p.shard):
+        bits = _answer_bits(piece, h)
+        if bits.size:
+            answers.append((piece.tokens.numpy(), bits))
+    out = torch.empty((m, h), dtype=torch.bfloat16, pin_memory=inputs.pinned)
+    out_bits = _bf16_bits(out)
+    if not answers or m * h == 0:
+        out_bits.fill(0)
         return out
-    total = torch.zeros((m, hidden_size), dtype=torch.float32)
-    for tokens, partial in parts:
-        total.index_add_(0, tokens, partial.float())
-    return out.copy_(total)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
+        _sum(out, out_bits, answers)
+    return out
+
+
+def _sum(out: torch.Tensor, out_bits: np.ndarray, answers: list) -> None:
+    m, h = out_bits.shape
+    n_ans = len(answers)
+    per = max(1, min(m, COMBINE_BLOCK_ELEMENTS // h))  # rows per block
+    bounds = [*range(0, m, per), m]
+    full = all(rows.size == m for rows, _ in answers)
+    if full:  # every answer holds every row (M = 1 mostly): answer j is each row's j-th addend
+        sizes = [[r1 - r0] * n_ans for r0, r1 in itertools.pairwise(bounds)]
+        nonzero = [r1 - r0 for r0, r1 in itertools.pairwise(bounds)]
+        perm = None
+    else:
+        sizes, nonzero, perm, dest, cuts = _plan(m, per, bounds, answers)
+        offsets = np.cumsum([0] + [rows.size for rows, _ in answers]).tolist()
+    staged = _buffer("staged", max(map(sum, sizes)) * h, torch.float32)
+    staged_u = staged.numpy().view(np.uint32)
+    rounded = _buffer("rounded", 0 if perm is None else per * h, torch.bfloat16)
+    out_flat = out.view(-1)
+    for b, (r0, r1) in enumerate(itertools.pairwise(bounds)):
+        n, size = r1 - r0, sizes[b]
+        start = [0, *itertools.accumulate(size)]  # region j: staged rows start[j]:start[j + 1]
+        buf = staged_u[: start[-1] * h].reshape(-1, h)
+        for a, (_, bits) in enumerate(answers):  # uint16 -> uint32 on the way in
+            if full:
+                buf[start[a] : start[a + 1]] = bits[r0:r1]
+            elif (lo := cuts[a][b]) < (hi := cuts[a][b + 1]):
+                buf[dest[lo:hi]] = bits[lo - offsets[a] : hi - offsets[a]]
+        if nonzero[b] < n:
+            buf[nonzero[b] : n] = 0  # rows no answer holds
+        np.left_shift(buf, 16, out=buf)  # bf16 bits -> float32 (bf16 is float32's top half)
+        f = buf.view(np.float32)
+        acc = f[:n]
+        for j in range(1, n_ans):  # the same additions as index_add_'s, in the same order
+            if k := size[j]:
+                np.add(acc[:k], f[start[j] : start[j] + k], out=acc[:k])
+        # acc starts as the first addend, not 0 + it: -0.0 stays -0.0 where index_add_ from
+        # zeros gives +0.0. Nothing else can round to bf16 -0 (0x8000): a sum of bf16 values
+        # that is not zero is at least 2^-133 in size, which bf16 holds. So 0x8000 -> 0 below.
+        dst = out_flat[r0 * h : r1 * h] if perm is None else rounded[: n * h]
+        sums = staged[: n * h].split(TORCH_INLINE_ELEMENTS)
+        for d, s in zip(dst.split(TORCH_INLINE_ELEMENTS), sums, strict=True):
+            d.copy_(s)  # round to nearest even, on this thread (no OpenMP region at this size)
+        got = _bf16_bits(dst).reshape(n, h)
+        if got.view(np.int16).min() == -0x8000:  # bf16 -0 is int16's least value: one pass
+            got[got == 0x8000] = 0
+        if perm is not None:
+            out_bits[perm[r0:r1]] = got
+
+
+def _plan(m: int, per: int, bounds: list[int], answers: list):
+    """Where each answer row goes in its block's staging buffer.
+
+    Within a block, rows are ordered by how many answers hold them, descending: the rows
+    with a j-th addend (in shard order) are then the block's first size[j] rows. Region 0 of
+    the buffer holds every row of the block (zero where no answer has it), region j >= 1 the
+    j-th addends, each at its row's place. -> (sizes [block][j], rows with an addend per
+    block, the rows' order (None: as they are), each entry's buffer row, each answer's
+    entries per block as [answer][block] cuts into the entries)."""
+    n_ans = len(answers)
+    rows = np.concatenate([r for r, _ in answers])  # every entry (answer row), in shard order
+    key = np.repeat(np.arange(n_ans), [r.size for r, _ in answers]) * m + rows
+    if rows.min() < 0 or rows.max() >= m or (key[1:] <= key[:-1]).any():
+        raise ValueError("an answer's tokens must be distinct rows of the call, ascending")
+    # held[a, r]: answers up to a that hold row r. An entry's rank: how many earlier answers
+    # hold its row; a row's count: how many answers hold it.
+    held = np.zeros(n_ans * m, np.int16)
+    held[key] = 1
+    held = np.cumsum(held.reshape(n_ans, m), axis=0, dtype=np.int64)
+    rank = held.ravel()[key] - 1
+    count = held[-1]
+    block = np.arange(m) // per
+    n_blocks = len(bounds) - 1
+    perm = np.argsort(block * (n_ans + 1) + (n_ans - count), kind="stable")
+    place = np.empty(m, np.int64)
+    place[perm] = np.arange(m) % per
+    hist = np.bincount(block * (n_ans + 1) + count, minlength=n_blocks * (n_ans + 1))
+    at_least = np.cumsum(hist.reshape(n_blocks, n_ans + 1)[:, ::-1], axis=1)[:, ::-1]
+    size = at_least[:, 1:].copy()  # size[b, j]: rows of block b with count > j ...
+    size[:, 0] = at_least[:, 0]  # ... but region 0 holds them all
+    start = np.zeros_like(size)
+    np.cumsum(size[:, :-1], axis=1, out=start[:, 1:])
+    dest = start[block[rows], rank] + place[rows]
+    cuts = np.searchsorted(key, (np.arange(n_ans)[:, None] * m + np.array(bounds)).ravel())
+    cuts = cuts.reshape(n_ans, n_blocks + 1).tolist()
+    in_order = (perm == np.arange(m)).all()
+    return size.tolist(), at_least[:, 1].tolist(), None if in_order else perm, dest, cuts
 
 
 def to_caller(out: torch.Tensor, inputs: Inputs, non_blocking: bool = True) -> torch.Tensor:
