@@ -77,8 +77,8 @@ def energy_row(m: int, nbytes: float, flops: float, rates: dict) -> dict:
 
 
 def read_step(nbytes: float):
-    """A read-only HBM stream of ~nbytes: Triton sums int32 words per program (8 per thread per step),
-    one word written per program. Returns (step, bytes read per call)."""
+    """A read-only HBM stream of ~nbytes: Triton sums int32 words per program (8 per thread
+    per step), one word written per program. Returns (step, bytes read per call)."""
     import triton
     import triton.language as tl
 
