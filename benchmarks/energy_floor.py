@@ -26,7 +26,6 @@ sustained time and energy.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -139,19 +138,9 @@ def pair_cases(m: int, nbytes: float, routes_: int, seconds: float, sampler, met
     return rows
 
 
-def power_limit_w() -> float | None:
-    """NVML's enforced power limit in watts, or None."""
-    try:
-        lib = ctypes.CDLL("libnvidia-ml.so.1")
-        dev = ctypes.c_void_p()
-        mw = ctypes.c_uint()
-        if lib.nvmlInit_v2() or lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)):
-            return None
-        if lib.nvmlDeviceGetEnforcedPowerLimit(dev, ctypes.byref(mw)):
-            return None
-        return mw.value / 1e3
-    except OSError:
-        return None
+def dynamic_j(row: dict, idle_w: float) -> float:
+    """A sustained case's energy per call above idle, in joules."""
+    return row["mj_per_call"] / 1e3 - idle_w * row["us_per_call"] / 1e6
 
 
 def main() -> None:
@@ -173,7 +162,7 @@ def main() -> None:
     t0, e0 = time.monotonic(), meter.millijoules()
     time.sleep(2.0)
     idle_w = (meter.millijoules() - e0) / (time.monotonic() - t0) / 1e3
-    limit_w = power_limit_w() or 700.0
+    limit_w = meter.power_limit_w() or 700.0
     rows = [{"case": "idle", "watts": idle_w, **sampler.window(t0, time.monotonic())}]
 
     step, nread = read_step(2 << 30)
@@ -188,10 +177,9 @@ def main() -> None:
         "idle_w": idle_w,
         "limit_w": limit_w,
         "budget_w": limit_w - idle_w,
-        "j_per_byte": (read["mj_per_call"] / 1e3 - idle_w * read["us_per_call"] / 1e6) / nread,
-        "j_per_flop": (mm["mj_per_call"] / 1e3 - idle_w * mm["us_per_call"] / 1e6) / (2 * 8192**3),
-        "copy_j_per_byte_moved": (cp["mj_per_call"] / 1e3 - idle_w * cp["us_per_call"] / 1e6)
-        / (4 << 30),
+        "j_per_byte": dynamic_j(read, idle_w) / nread,
+        "j_per_flop": dynamic_j(mm, idle_w) / (2 * 8192**3),
+        "copy_j_per_byte_moved": dynamic_j(cp, idle_w) / (4 << 30),
     }
 
     layer = gpu_layer()

@@ -116,6 +116,13 @@ class EnergyMeter:
         if self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._dev)) != 0:
             raise OSError(f"no NVML device {index}")
 
+    def power_limit_w(self) -> float | None:
+        """The enforced power limit in watts, or None where NVML does not say."""
+        mw = ctypes.c_uint()
+        if self._lib.nvmlDeviceGetEnforcedPowerLimit(self._dev, ctypes.byref(mw)) != 0:
+            return None
+        return mw.value / 1e3
+
     def millijoules(self) -> int:
         mj = ctypes.c_ulonglong()
         rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._dev, ctypes.byref(mj))

@@ -20,6 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from expertd.kernels.build import cache_dir  # the kernels' cache: one place for built code
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "combine.c"
@@ -29,15 +31,10 @@ _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 
 
-def _cache_root() -> Path:
-    default = Path.home() / ".cache" / "expertd" / "kernels"
-    return Path(os.environ.get("EXPERTD_KERNEL_CACHE", default)).expanduser()
-
-
 def _build(compiler: str) -> Path:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    lib = _cache_root() / f"host-{key}" / "libexpertd_host.so"
+    lib = cache_dir() / f"host-{key}" / "libexpertd_host.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
