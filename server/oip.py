@@ -8,6 +8,7 @@ validation and batching as Forward; the errors keep their status codes.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -17,6 +18,7 @@ import expertd
 from expertd.codec import ForwardRequestView, TensorView, parse_forward_response
 from expertd.server.oip_shm import (
     CUDA,
+    INLINE_BYTES,
     SYSTEM,
     RequestLease,
     SharedMemoryRegistry,
@@ -108,13 +110,19 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             try:
                 forward = to_forward_request(request, lease)
                 into = self._output_region(request, forward, lease)
+                loop = asyncio.get_running_loop()
+                if lease.pending:  # large shared-memory inputs: copied off the event loop
+                    await loop.run_in_executor(None, lease.fill)
                 reply = await self.experts._forward(forward, deadline)
                 out = parse_forward_response(reply).output
                 if into is not None:
                     region, ref = into
                     if len(out.data) > ref.byte_size:
                         raise invalid(_too_small(ref, len(out.data)))
-                    region.write(ref.offset, out.data)
+                    if len(out.data) <= INLINE_BYTES:
+                        region.write(ref.offset, out.data)
+                    else:
+                        await loop.run_in_executor(None, region.write, ref.offset, out.data)
             except RequestError as e:
                 self.experts._count("ModelInfer", e.code)
                 await context.abort(e.code, e.message)
@@ -157,10 +165,12 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
 
     async def _shm_call(self, method: str, context, work):
         try:
-            return work()
+            result = work()
         except RequestError as e:
             self.experts._count(method, e.code)
             await context.abort(e.code, e.message)
+        self.experts._count(method, grpc.StatusCode.OK)
+        return result
 
     async def SystemSharedMemoryStatus(self, request, context):
         regions = await self._shm_call(

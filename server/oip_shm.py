@@ -40,6 +40,7 @@ SYSTEM, CUDA = "system", "CUDA"
 SHM_DIR = "/dev/shm"  # where glibc's shm_open keeps POSIX shared-memory objects
 MAX_REGIONS = 256  # registered regions at once (system and CUDA); each holds a descriptor
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+INLINE_BYTES = 1 << 20  # copies up to this size run on the event loop, larger ones off it
 PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 DISABLED = (
     "client shared memory is off on this server: start it with --allow-client-shm "
@@ -98,7 +99,8 @@ class Region:
         self.users = 0  # requests using it now
         self.unregistered = False
 
-    def read(self, offset: int, size: int) -> memoryview:
+    def read_into(self, offset: int, buf: np.ndarray) -> None:
+        """Fill `buf` (uint8) from [offset, offset + len(buf)) of the region."""
         raise NotImplementedError
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -123,15 +125,13 @@ class SystemRegion(Region):
             "registered range (it was truncated after registration)"
         )
 
-    def read(self, offset: int, size: int) -> memoryview:
-        buf = np.empty(size, dtype=np.uint8)
+    def read_into(self, offset: int, buf: np.ndarray) -> None:
         try:
-            done = os.preadv(self.fd, [buf], self.offset + offset) if size else 0
+            done = os.preadv(self.fd, [buf], self.offset + offset) if len(buf) else 0
         except OSError as e:
             raise invalid(f"shared-memory region '{self.name}': {os.strerror(e.errno)}") from None
-        if done != size:
+        if done != len(buf):
             raise self._shrunk()
-        return memoryview(buf)
 
     def write(self, offset: int, data: memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -165,12 +165,10 @@ class CudaRegion(Region):
             result = self._rt.cudaMemcpy(dst, src, size, kind)
         _check(self._rt, result, f"copying through CUDA shared-memory region '{self.name}'")
 
-    def read(self, offset: int, size: int) -> memoryview:
-        buf = np.empty(size, dtype=np.uint8)
-        if size:
+    def read_into(self, offset: int, buf: np.ndarray) -> None:
+        if len(buf):
             kind = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-            self._copy(buf.ctypes.data, self.ptr + offset, size, kind)
-        return memoryview(buf)
+            self._copy(buf.ctypes.data, self.ptr + offset, len(buf), kind)
 
     def write(self, offset: int, data: memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
@@ -328,6 +326,7 @@ class RequestLease:
         self.registry = registry
         self.max_read_bytes = max_read_bytes  # no accepted request has a larger input
         self.regions: list[Region] = []
+        self.pending: list[tuple[Region, int, np.ndarray]] = []  # copies fill() will make
 
     def region(self, what: str, ref: TensorRef) -> Region:
         """The region `ref` names, checked to hold [offset, offset + byte_size)."""
@@ -350,14 +349,28 @@ class RequestLease:
         return region
 
     def read(self, what: str, ref: TensorRef) -> memoryview:
-        """A copy of an input's bytes."""
+        """A copy of an input's bytes: copied now when small, else by fill() (which the
+        request runs off the event loop before using them)."""
         if ref.byte_size > self.max_read_bytes:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{what}: shared_memory_byte_size {ref.byte_size} is larger than any request "
                 f"this server accepts ({self.max_read_bytes} bytes)",
             )
-        return self.region(what, ref).read(ref.offset, ref.byte_size)
+        region = self.region(what, ref)
+        buf = np.empty(ref.byte_size, dtype=np.uint8)
+        if ref.byte_size <= INLINE_BYTES:
+            region.read_into(ref.offset, buf)
+        else:
+            self.pending.append((region, ref.offset, buf))
+        return memoryview(buf)
+
+    def fill(self) -> None:
+        """Copy the inputs read() left for later (on any thread: their regions stay open
+        while this request holds them)."""
+        for region, offset, buf in self.pending:
+            region.read_into(offset, buf)
+        self.pending.clear()
 
     def release(self) -> None:
         for region in self.regions:

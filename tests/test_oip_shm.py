@@ -20,7 +20,7 @@ from conftest import hidden, routing, shard_config
 
 from expertd import wire
 from expertd.server.app import BackgroundServer
-from expertd.server.oip_shm import SharedMemoryRegistry, TensorRef
+from expertd.server.oip_shm import INLINE_BYTES, SharedMemoryRegistry, TensorRef
 from expertd.server.validate import RequestError
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
@@ -183,6 +183,29 @@ def test_infer_through_system_shared_memory(server, client):
     mixed = client.ok("infer", inputs=[inputs[0], spec(names[1], ids), spec(names[2], w)])
     assert base64.b64decode(mixed["data"]) == from_shm
     assert mixed["raw_lengths"] == [out_bytes]
+
+
+def test_large_tensors_through_system_shared_memory(server, client):
+    """Inputs and outputs over a MiB are copied off the event loop: same bytes."""
+    m = 1100
+    x, ids, w = case(6, m)
+    names = ("hidden_states", "topk_ids", "topk_weights")
+    sizes = [len(raw_bytes(t)) for t in (x, ids, w)]
+    assert sizes[0] > 1 << 20 and m * H * 2 > 1 << 20
+    client.ok("create", name="in", key=key("in"), byte_size=sum(sizes))
+    client.ok("create", name="out", key=key("out"), byte_size=m * H * 2)
+    client.ok("register", name="in", key=key("in"), byte_size=sum(sizes))
+    client.ok("register", name="out", key=key("out"), byte_size=m * H * 2)
+    offsets = [0, sizes[0], sizes[0] + sizes[1]]
+    inputs = []
+    for n, t, offset in zip(names, (x, ids, w), offsets, strict=True):
+        client.ok("put", name="in", tensor=spec(n, t), offset=offset)
+        inputs.append(in_shm(n, t, "in", offset))
+    output = {"region": "out", "offset": 0, "byte_size": m * H * 2}
+    assert client.ok("infer", inputs=inputs, output=output)["raw_lengths"] == [0]
+    got = client.ok("get", name="out", datatype="BF16", shape=[m, H])
+    raw = client.ok("infer", inputs=[spec(n, t) for n, t in zip(names, (x, ids, w), strict=True)])
+    assert base64.b64decode(got["data"]) == base64.b64decode(raw["data"])
 
 
 def test_status_and_unregister(server, client):
@@ -418,6 +441,27 @@ def test_region_in_use_stays_open_until_the_request_ends(tmp_path):
         assert path.read_bytes()[:2] == b"\xff\xfe"
         with pytest.raises(RequestError, match="larger than any request"):
             registry.lease(max_read_bytes=3).read("x", TensorRef("r", 0, 4))
+    finally:
+        path.unlink()
+
+
+def test_large_reads_wait_for_fill():
+    """A read over INLINE_BYTES is copied by fill(), which the request runs off the loop."""
+    path = Path("/dev/shm" + key("fill"))
+    content = os.urandom(INLINE_BYTES + 4096)
+    path.write_bytes(content)
+    try:
+        registry = SharedMemoryRegistry(allowed=True)
+        registry.register_system("r", key("fill"), 0, len(content))
+        lease = registry.lease(max_read_bytes=1 << 30)
+        small = lease.read("a", TensorRef("r", 0, 16))
+        big = lease.read("b", TensorRef("r", 4095, INLINE_BYTES + 1))
+        assert bytes(small) == content[:16] and len(lease.pending) == 1
+        lease.fill()
+        assert bytes(big) == content[4095:] and not lease.pending
+        lease.release()
+        registry.close()
+        assert shm_fds(str(path)) == 0
     finally:
         path.unlink()
 
