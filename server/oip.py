@@ -106,13 +106,15 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         lease = self.shm.lease(self._max_read_bytes())  # regions this request uses
+        copying = None  # the last copy through them run off the event loop (large tensors)
         try:
             try:
                 forward = to_forward_request(request, lease)
                 into = self._output_region(request, forward, lease)
                 loop = asyncio.get_running_loop()
-                if lease.pending:  # large shared-memory inputs: copied off the event loop
-                    await loop.run_in_executor(None, lease.fill)
+                if lease.pending:
+                    copying = loop.run_in_executor(None, lease.fill)
+                    await asyncio.shield(copying)
                 reply = await self.experts._forward(forward, deadline)
                 out = parse_forward_response(reply).output
                 if into is not None:
@@ -122,12 +124,13 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                     if len(out.data) <= INLINE_BYTES:
                         region.write(ref.offset, out.data)
                     else:
-                        await loop.run_in_executor(None, region.write, ref.offset, out.data)
+                        copying = loop.run_in_executor(None, region.write, ref.offset, out.data)
+                        await asyncio.shield(copying)
             except RequestError as e:
                 self.experts._count("ModelInfer", e.code)
                 await context.abort(e.code, e.message)
         finally:
-            lease.release()
+            lease.release_after(copying)
         self.experts._count("ModelInfer", grpc.StatusCode.OK)
         return oip.ModelInferResponse(
             model_name=MODEL,

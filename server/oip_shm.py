@@ -25,6 +25,7 @@ shutdown close it. Everything here runs on the server's event loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
@@ -371,6 +372,22 @@ class RequestLease:
         for region, offset, buf in self.pending:
             region.read_into(offset, buf)
         self.pending.clear()
+
+    def release_after(self, copying: asyncio.Future | None) -> None:
+        """release() once `copying`, an off-loop copy through these regions, has ended
+        (it goes on when the request is cancelled: a region must not close under it)."""
+
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: the request has already answered or gone
+            self.release()
+
+        if copying is None:
+            self.release()
+        elif copying.done():
+            done(copying)
+        else:
+            copying.add_done_callback(done)
 
     def release(self) -> None:
         for region in self.regions:

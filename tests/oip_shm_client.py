@@ -162,8 +162,10 @@ def main(address: str, token: str | None = None) -> None:
         command = json.loads(line)
         try:
             answer = getattr(driver, command.pop("op"))(**command)
-        except InferenceServerException as e:
+        except InferenceServerException as e:  # the server's answer
             answer = {"status": e.status(), "message": e.message()}
+        except Exception as e:  # this side's: e.g. a host that cannot export CUDA memory
+            answer = {"client_error": f"{type(e).__name__}: {e} ({e.__cause__})"}
         print(json.dumps(answer), flush=True)
     for name in list(driver.handles):
         driver.destroy(name)
