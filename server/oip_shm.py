@@ -258,7 +258,8 @@ class SharedMemoryRegistry:
                 f"{len(raw_handle)} bytes, a cudaIpcMemHandle_t has {IPC_HANDLE_BYTES}"
             )
         err, count = rt.cudaGetDeviceCount()
-        if not 0 <= device_id < (count if err == rt.cudaError_t.cudaSuccess else 0):
+        count = count if err == rt.cudaError_t.cudaSuccess else 0
+        if not 0 <= device_id < count:
             raise invalid(
                 f"cannot register CUDA shared-memory region '{name}': no CUDA device "
                 f"{device_id} on this server ({count} devices)"
