@@ -423,7 +423,7 @@ def test_other_clients_keep_being_served(server, client):
     assert failures == []
 
 
-def test_region_in_use_stays_open_until_the_request_ends(tmp_path):
+def test_region_in_use_stays_open_until_the_request_ends():
     """Unregistering during a request defers the close to that request's end."""
     path = Path("/dev/shm" + key("lease"))
     path.write_bytes(bytes(range(256)) * 16)
@@ -466,7 +466,7 @@ def test_large_reads_wait_for_fill():
         path.unlink()
 
 
-def test_shutdown_closes_regions_and_off_by_default(tmp_path):
+def test_shutdown_closes_regions_and_off_by_default():
     path = Path("/dev/shm" + key("shutdown"))
     path.write_bytes(b"\0" * 4096)
     try:
