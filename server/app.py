@@ -52,6 +52,7 @@ class RunningServer:
     metrics_port: int | None = None
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     health_port: int | None = None
+    inference: InferenceServicer | None = None  # the OIP service (holds shared-memory regions)
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
@@ -74,6 +75,8 @@ class RunningServer:
         if self.health_server is not None:
             await self.health_server.stop(0)
         await self.servicer.close()
+        if self.inference is not None:
+            self.inference.close()  # unregisters every shared-memory region
         self.metrics.close()
 
 
@@ -141,7 +144,8 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         max_inflight=config.max_inflight,
     )
     add_expert_service(servicer, server)
-    oip_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(servicer), server)
+    inference = InferenceServicer(servicer, allow_shm=config.allow_client_shm)
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -158,6 +162,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     running = RunningServer(
         server, servicer, health_servicer, _bound(config.listen, port), port, metrics
     )
+    running.inference = inference
     if config.metrics_port is not None:
         running.metrics_port = metrics.serve(config.metrics_port)
     if config.health_listen:

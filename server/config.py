@@ -43,6 +43,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed
+    # OIP shared-memory extensions: clients may register their shared memory (off by default,
+    # as in Triton: a registered client reads and writes any object the server may open).
+    allow_client_shm: bool = False
     # Observability.
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
     health_listen: str | None = None  # extra plaintext grpc.health.v1-only address
