@@ -57,6 +57,16 @@ def test_flags_and_cache_key_ignore_the_environment(fake_nvcc, tmp_path, monkeyp
     assert build._ninja_file(str(fake_nvcc), tmp_path) == text
 
 
+def test_kernel_source_reads_no_environment():
+    """The kernel library has no run-time switches: nothing in its sources reads the
+    environment, and no source is compiled out by a -D macro of ours."""
+    for path in build.CSRC.iterdir():
+        if path.suffix in (".cu", ".cuh", ".h"):
+            text = path.read_text()
+            assert "getenv" not in text, path.name
+            assert "#ifdef EXPERTD" not in text and "#ifndef EXPERTD" not in text, path.name
+
+
 def test_args_mirror_and_owned_range():
     """The ctypes mirror of ExpertdMoeArgs ends with local_first, and a shard's experts pass as a
     range (no table lookups in the kernels) only when they are consecutive ids in order."""
