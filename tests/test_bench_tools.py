@@ -5,13 +5,11 @@ inputs and routing weights (benchmarks/decode_cases.py), the library A/B pairing
 clock / power summary a timing is read with (benchmarks/gpu_clocks.py), the energy A/B's
 pairing (benchmarks/energy_ab.py), the energy floor under the power limit
 (benchmarks/energy_floor.py), the tile statistics of an input set
-(benchmarks/set_spread.py), the slot occupancy read from a timeline (benchmarks/timeline.py),
-and the serving path's host-cost probes (benchmarks/rpc_floor.py, benchmarks/runner_latency.py)."""
+(benchmarks/set_spread.py), and the serving path's host-cost probes (benchmarks/rpc_floor.py, benchmarks/runner_latency.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from math import comb
 from pathlib import Path
@@ -30,14 +28,6 @@ import lib_bits
 import rpc_floor
 import runner_latency
 import set_spread
-
-_had_timeline = os.environ.get("EXPERTD_KERNEL_TIMELINE")
-import timeline  # noqa: E402  (it asks for the instrumented library at import: undone below)
-
-if _had_timeline is None:
-    os.environ.pop("EXPERTD_KERNEL_TIMELINE", None)
-else:
-    os.environ["EXPERTD_KERNEL_TIMELINE"] = _had_timeline
 
 
 @pytest.mark.parametrize("m,t", [(1, 0), (1, 1), (1, 3), (1, 8), (2, 5), (4, 32)])
@@ -249,26 +239,6 @@ def test_set_stats_counts_routes_tiles_and_padding():
     assert st["padding_rows"] == 6 * 16 - 58
     assert st["tile_rows_le_half"] == 3  # the tiles of 8, 1 and 1 rows
     assert st["tile_rows_le_2_3"] == 3  # <= 10 rows: the same three
-
-
-def test_timeline_occupancy_counts_slots_idle_time_and_the_tail():
-    # (sm, entry, waited, loop_done, done), us. SM 0 holds two blocks at once (2 slots), then a
-    # third after the first ends; SM 1 one block. Span: first wait 1.0 to last done 11.0.
-    recs = [
-        [0, 0.0, 1.0, 5.0, 6.0],
-        [0, 0.0, 1.0, 9.0, 10.0],
-        [0, 6.0, 7.0, 10.0, 11.0],
-        [1, 0.5, 1.0, 3.0, 4.0],
-    ]
-    o = timeline.occupancy(recs, bins=2)
-    assert o["slots_per_sm"] == 2 and o["sms"] == 2 and o["span_us"] == 10.0
-    cap = 2 * 2 * 10.0
-    assert o["busy"] == pytest.approx((5 + 9 + 5 + 3) / cap)
-    assert o["streaming"] == pytest.approx((4 + 8 + 3 + 2) / cap)
-    assert o["ideal_us"] == pytest.approx((4 + 8 + 3 + 2) / 4)
-    assert o["tail_us"] == 5.0  # last entry 6.0, last done 11.0
-    # first half [1, 6): 4 + 5 + 0 + 2 streaming; second half [6, 11): 0 + 3 + 3 + 0
-    assert o["profile"] == [round(11 / 20, 3), round(6 / 20, 3)]
 
 
 def test_rpc_floor_times_the_request_steps_and_real_round_trips():

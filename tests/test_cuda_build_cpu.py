@@ -1,5 +1,5 @@
-"""CPU checks of the kernel build glue (no nvcc needed): the ninja file, the cache key and the
-environment overrides."""
+"""CPU checks of the kernel build glue (no nvcc needed): the ninja file, the cache key, the
+environment variables it reads (cache, prebuilt library) and those it does not."""
 
 from __future__ import annotations
 
@@ -43,29 +43,28 @@ def test_cache_key_depends_on_sources_and_flags(fake_nvcc, monkeypatch):
     assert build.build_key(str(fake_nvcc)) != key
 
 
-def test_timeline_build_is_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
-    """EXPERTD_KERNEL_TIMELINE=1 adds -DEXPERTD_TIMELINE: another cache key, so the production
-    library (no marks) and the instrumented one live side by side."""
-    monkeypatch.delenv("EXPERTD_KERNEL_TIMELINE", raising=False)
-    plain = build.build_key(str(fake_nvcc))
-    assert "-DEXPERTD_TIMELINE" not in build._ninja_file(str(fake_nvcc), tmp_path)
-    monkeypatch.setenv("EXPERTD_KERNEL_TIMELINE", "1")
-    assert build.build_key(str(fake_nvcc)) != plain
-    assert "-DEXPERTD_TIMELINE" in build._ninja_file(str(fake_nvcc), tmp_path)
-
-
-def test_defines_build_a_separate_library(fake_nvcc, tmp_path, monkeypatch):
-    """EXPERTD_KERNEL_DEFINES adds its -DEXPERTD_ macros (another cache key: a compile-time variant
-    for a library A/B lives beside the default) and refuses any other flag."""
+def test_flags_and_cache_key_ignore_the_environment(fake_nvcc, tmp_path, monkeypatch):
+    """The build takes its flags from NVCC_FLAGS only: no environment variable adds a define or
+    another flag, so one library (one cache key) is the product kernel."""
     monkeypatch.delenv("EXPERTD_KERNEL_DEFINES", raising=False)
-    plain = build.build_key(str(fake_nvcc))
-    monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-DEXPERTD_A=1 -DEXPERTD_B=2")
-    assert build.build_key(str(fake_nvcc)) != plain
+    monkeypatch.delenv("EXPERTD_KERNEL_TIMELINE", raising=False)
+    key = build.build_key(str(fake_nvcc))
     text = build._ninja_file(str(fake_nvcc), tmp_path)
-    assert "-DEXPERTD_A=1" in text and "-DEXPERTD_B=2" in text
-    monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-O0")
-    with pytest.raises(ValueError, match="-DEXPERTD_"):
-        build.nvcc_flags()
+    assert f"flags = {' '.join(build.NVCC_FLAGS)}\n" in text
+    monkeypatch.setenv("EXPERTD_KERNEL_DEFINES", "-DEXPERTD_X=1")
+    monkeypatch.setenv("EXPERTD_KERNEL_TIMELINE", "1")
+    assert build.build_key(str(fake_nvcc)) == key
+    assert build._ninja_file(str(fake_nvcc), tmp_path) == text
+
+
+def test_kernel_source_reads_no_environment():
+    """The kernel library has no run-time switches: nothing in its sources reads the
+    environment, and no source is compiled out by a -D macro of ours."""
+    for path in build.CSRC.iterdir():
+        if path.suffix in (".cu", ".cuh", ".h"):
+            text = path.read_text()
+            assert "getenv" not in text, path.name
+            assert "#ifdef EXPERTD" not in text and "#ifndef EXPERTD" not in text, path.name
 
 
 def test_args_mirror_and_owned_range():
