@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from expertd.kernels.graphs import forward_checked
 from expertd.server.bank import ExpertBank
 from expertd.server.config import ServerConfig
+from expertd.server.graphs import forward_checked
 from expertd.server.runner import BatchRunner
 
 
