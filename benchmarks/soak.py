@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the load generator and proxy the test
 from faultproxy import FaultProxy  # noqa: E402
 from loadgen import make_cases, rss_mib, run_load  # noqa: E402
 
-from expertd.server.launcher import start_shard, stop_shards, wait_serving  # noqa: E402
+from expertd.launcher import start_shard, stop_shards, wait_serving  # noqa: E402
 from expertd.server.synthetic import get_preset, synthetic_layer  # noqa: E402
 
 
