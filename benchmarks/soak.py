@@ -1,4 +1,4 @@
-"""Soak: the long version of tests/test_reliability_*.py. N callers for a fixed
+"""Soak: the long version of tests/reliability/test_reliability_*.py. N callers for a fixed
 time against real shard processes, every result checked against the reference,
 faults injected on a schedule, server memory sampled throughout.
 

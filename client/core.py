@@ -87,7 +87,7 @@ def stage_inputs(
 
 # torch's elementwise CPU ops run inline up to this many elements (at::internal::
 # GRAIN_SIZE): in a fresh process, copy_ of 32768 elements starts no OpenMP worker, of 32769
-# it does (tests/test_client_combine.py checks combine and forward_request start none).
+# it does (tests/unit/test_client_combine.py checks combine and forward_request start none).
 TORCH_INLINE_ELEMENTS = 32768
 
 # combine sums blocks of output rows of about this many elements, each block's answer rows

@@ -3,7 +3,7 @@
 bookkeeping (server/staging.py), the runner's slots, and batches overlapped
 through the real batcher (a CPU runner with two slots takes the same path as a
 GPU one: launch on the compute thread, finish on the finisher thread). The
-same code on the GPU: tests/test_cuda_overlap.py."""
+same code on the GPU: tests/gpu/test_cuda_overlap.py."""
 
 from __future__ import annotations
 

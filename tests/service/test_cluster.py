@@ -21,7 +21,7 @@ from expertd.cluster import plan
 from expertd.launcher import health_status
 
 SERVING = 1
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 class Lines:
