@@ -19,7 +19,6 @@ import time
 import grpc
 import torch
 
-from expertd.client import native
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import Inputs, Piece, combine, forward_request, stage_inputs, to_caller
 from expertd.client.errors import CoverageError, ShardCallError
@@ -82,7 +81,6 @@ class AsyncExpertClient:
         self._turn = 0
         self._candidates: dict = {}  # (topology, layer, live shards) -> candidates table
         self.topology: Topology | None = None
-        native.library()  # the C sum: built (once per machine) here, not in the first forward
 
     @classmethod
     async def connect(cls, addresses: list[str], **kwargs) -> AsyncExpertClient:

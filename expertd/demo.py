@@ -82,7 +82,7 @@ def _reference(args, preset, layer: int, checkpoint: Path | None, device: str):
 def run_demo(args) -> int:
     from expertd.client import ExpertClient
     from expertd.kernels.reference import relative_error
-    from expertd.server.launcher import start_shard, stop_shards, wait_serving
+    from expertd.launcher import start_shard, stop_shards, wait_serving
     from expertd.server.synthetic import get_preset
 
     device = args.device

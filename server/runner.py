@@ -8,7 +8,7 @@ A batch runs in one of `depth` slots. `launch` gathers it and starts it,
 they have been read; `run` does all three.
 
 On CUDA each slot has a packed pinned host buffer and packed device buffers
-per direction (kernels/graphs.py `Layout`): the requests are gathered into the
+per direction (server/graphs.py `Layout`): the requests are gathered into the
 slot's pinned input with numpy (server/staging.py), ONE host-to-device copy on
 the upload stream moves them, the compute stream replays the slot's CUDA graph
 for the batch's bucket (or runs the forward eager), and ONE device-to-host copy
@@ -21,7 +21,7 @@ results are read. The NaN/Inf check runs on the device (inside the graph) and
 its flags come back in the same copy as the output.
 
 Batches of up to FUSED_ROWS tokens run a graph that holds the copies too
-(kernels/graphs.py): gathered into the slot's fixed pinned buffers, they are one
+(server/graphs.py): gathered into the slot's fixed pinned buffers, they are one
 replay on the compute stream and one event, a third of the host time of the
 path above (the copies of a small batch take microseconds, so overlapping them
 with other batches' compute is worth less than the Python calls it needs).
@@ -40,7 +40,8 @@ import time
 import numpy as np
 import torch
 
-from expertd.kernels.graphs import (
+from expertd.server.bank import ExpertBank
+from expertd.server.graphs import (
     DEFAULT_BUCKETS,
     GraphBank,
     Layout,
@@ -48,7 +49,6 @@ from expertd.kernels.graphs import (
     forward_checked,
     nonfinite_rows,
 )
-from expertd.server.bank import ExpertBank
 from expertd.server.staging import HostStaging, Result, SlotPool
 
 log = logging.getLogger("expertd.server")

@@ -1,4 +1,4 @@
-"""Host side of a batch's packed buffers (kernels/graphs.py `Layout`): gathering
+"""Host side of a batch's packed buffers (server/graphs.py `Layout`): gathering
 the requests in, reading the results out, and the slots batches run in.
 
 The gather is a numpy copy per request tensor into views of the packed (on
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from expertd.kernels.graphs import Layout
+from expertd.server.graphs import Layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import yaml
 
 from expertd.cli import build_parser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 KUBE_VERSIONS = ("1.28.0", "1.33.0")  # 1.28: the oldest with the pod-index label

@@ -8,7 +8,7 @@ well formed; a well-formed one must be answered with the reference's result, a
 malformed one refused with a caller's-mistake status (never UNKNOWN or
 INTERNAL), and a good request must be answered correctly after each of them.
 The large-payload cases (just under the limit, over it, then a small request)
-are tests/test_validation.py's.
+are tests/unit/test_validation.py's.
 """
 
 from __future__ import annotations

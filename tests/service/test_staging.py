@@ -1,9 +1,9 @@
 """Packed staging on CPU: the layout of the one copy in and the one copy back
-(kernels/graphs.py `Layout`), the numpy gather into it and its padding
+(server/graphs.py `Layout`), the numpy gather into it and its padding
 bookkeeping (server/staging.py), the runner's slots, and batches overlapped
 through the real batcher (a CPU runner with two slots takes the same path as a
 GPU one: launch on the compute thread, finish on the finisher thread). The
-same code on the GPU: tests/test_cuda_overlap.py."""
+same code on the GPU: tests/gpu/test_cuda_overlap.py."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from conftest import PRESET, hidden, shard_config
 from expertd import wire
 from expertd.codec import parse_forward_response
 from expertd.kernels import reference_forward, relative_error
-from expertd.kernels.graphs import ALIGN, Layout
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import INLINE_TOKENS, Batcher, BatchPolicy, Job
+from expertd.server.graphs import ALIGN, Layout
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.staging import HostStaging, Result, SlotPool

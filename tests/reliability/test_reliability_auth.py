@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from expertd.client import TLS, CoverageError, ExpertClient, ShardCallError
 from expertd.kernels import reference_forward, relative_error
-from expertd.server.launcher import health_status, start_shard, stop_shards, wait_serving
+from expertd.launcher import health_status, start_shard, stop_shards, wait_serving
 
 TOKEN = "reliability-token"
 QUICK_S = 3.0  # a refusal must come this fast: it is not worth retrying

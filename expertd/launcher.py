@@ -1,9 +1,9 @@
 """Start shard servers as local subprocesses and wait until they serve.
 
-Used by `expertd demo` (and by tests that need real processes): each child is
-`python -m expertd serve ... --listen 127.0.0.1:0`; it prints one line
-`LISTENING <address>` once bound, and reports SERVING on grpc.health.v1 once
-its experts are loaded.
+Used by `expertd cluster` and `expertd demo` (and by tests and benchmarks that
+need real processes): each child is `python -m expertd serve ... --listen
+127.0.0.1:0`; it prints one line `LISTENING <address>` once bound, and reports
+SERVING on grpc.health.v1 once its experts are loaded.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ concurrent requests of mixed sizes (graph buckets, eager above them and above
 the graphs' top_k, int64 ids, bf16 weights, NaN) against the float64 reference
 and against the same requests run one at a time, and on the runner itself:
 each stage overlaps the others, and launching never waits for the device.
-Skipped without CUDA; the CPU side of the same code: tests/test_staging.py."""
+Skipped without CUDA; the CPU side of the same code: tests/service/test_staging.py."""
 
 from __future__ import annotations
 

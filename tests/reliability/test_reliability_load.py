@@ -19,7 +19,7 @@ from loadgen import make_cases, rss_mib, run_load
 
 from expertd.client import ExpertClient
 from expertd.kernels import relative_error
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 
 SHARDS = 8
 REPLICATED = (0, 1)  # these shards get a second process: kill -9 one and nothing may be lost

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
+from expertd.launcher import health_status, start_shard, stop_shards, wait_serving
 from expertd.server.checkpoint import CheckpointReader
-from expertd.server.launcher import health_status, start_shard, stop_shards, wait_serving
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 

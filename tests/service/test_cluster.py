@@ -18,10 +18,10 @@ import pytest
 
 from expertd.cli import main
 from expertd.cluster import plan
-from expertd.server.launcher import health_status
+from expertd.launcher import health_status
 
 SERVING = 1
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 class Lines:

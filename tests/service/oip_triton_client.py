@@ -1,4 +1,4 @@
-"""Run by tests/test_oip.py in its own process: the stock Triton gRPC client
+"""Run by tests/service/test_oip.py in its own process: the stock Triton gRPC client
 defines the `inference.*` protobuf messages too, so it cannot share a process
 with our server's stubs. Usage: python oip_triton_client.py ADDRESS CASES.npz OUT.json"""
 

@@ -16,9 +16,9 @@ Small buckets (up to `fused_rows` tokens) can also hold the two copies: given a
 slot's pinned host buffers, their graph copies the bucket's whole input in,
 runs the forward and copies the whole output back, so a small batch is one
 replay instead of two copies, four events and a replay (each a Python call
-into CUDA: ~160 us of host time at M = 1 on the H200 host against ~65 us,
-benchmarks/runner_latency.py). The copies move the bucket's rows, not only the
-batch's, which costs little below 64 rows (<= 0.5 MiB at H = 4096).
+into CUDA: ~160 us of host time at M = 1 on the H200 host against ~65 us).
+The copies move the bucket's rows, not only the batch's, which costs little
+below 64 rows (<= 0.5 MiB at H = 4096).
 
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
 host sync or allocation inside it (the `cuda` backend).

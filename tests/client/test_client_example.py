@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.py"
 
 
 def test_tiny_moe_example_matches_local_reference():

@@ -1,8 +1,8 @@
 """The client's per-call tensor work on the host (client/core.py): the sum of the shards'
-answers (in C where a compiler is there, client/native.py, else in numpy; the combine tests
-run both) and each shard's rows (numpy) open no OpenMP region (torch's index_add_ and
-indexing do, where a busy process's loop thread waits), and must give torch's bits exactly:
-the reference is zeros + index_add_ in float32 in shard order, then .to(bfloat16)."""
+answers and each shard's rows, both in numpy, open no OpenMP region (torch's index_add_
+and indexing do, where a busy process's loop thread waits), and must give torch's bits
+exactly: the reference is zeros + index_add_ in float32 in shard order, then
+.to(bfloat16)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from expertd import codec, wire
-from expertd.client import core, native
+from expertd.client import core
 from expertd.client.core import Inputs, Piece, combine, forward_request
 from expertd.client.routing import ShardPart
 from expertd.v1 import expertd_pb2 as pb
@@ -31,22 +31,10 @@ SPECIAL = np.array(
 )
 
 
-@pytest.fixture(params=["native", "numpy"])
-def summer(request, monkeypatch):
-    """Each test once with the C sum and once with numpy's."""
-    if request.param == "native":
-        if native.library() is None:
-            pytest.skip("no C compiler here: the numpy sum only")
-    else:
-        monkeypatch.setitem(native._state, "lib", None)
-    return request.param
-
-
 def set_block(monkeypatch, rows_elements: int | None) -> None:
-    """Blocks of output rows this many elements long, in both sums."""
+    """Blocks of output rows this many elements long."""
     if rows_elements is not None:
         monkeypatch.setattr(core, "COMBINE_BLOCK_ELEMENTS", rows_elements)
-        monkeypatch.setattr(core, "NATIVE_BLOCK_ELEMENTS", rows_elements)
 
 
 def reference(m: int, h: int, pieces: list[Piece]) -> torch.Tensor:
@@ -106,7 +94,7 @@ def make_pieces(m, h, shards, seed, keep=0.67, special=0.0, full=(), empty=()):
         (9, 33, 1),  # one row a block, odd width
     ],
 )
-def test_combine_gives_index_adds_bits(monkeypatch, m, h, block, summer):
+def test_combine_gives_index_adds_bits(monkeypatch, m, h, block):
     set_block(monkeypatch, block)
     pieces = make_pieces(m, h, 8, seed=m * h)
     want = reference(m, h, pieces)
@@ -115,7 +103,7 @@ def test_combine_gives_index_adds_bits(monkeypatch, m, h, block, summer):
 
 
 @pytest.mark.parametrize("block", [None, 2 * 256])
-def test_combine_nan_inf_zeros_and_subnormals(monkeypatch, block, summer):
+def test_combine_nan_inf_zeros_and_subnormals(monkeypatch, block):
     set_block(monkeypatch, block)
     m, h = 40, 256
     pieces = make_pieces(m, h, 8, seed=3, special=0.05)
@@ -141,7 +129,7 @@ def test_combine_nan_inf_zeros_and_subnormals(monkeypatch, block, summer):
 
 
 @pytest.mark.parametrize("block", [None, 3 * 64])
-def test_combine_empty_full_and_missing(monkeypatch, block, summer):
+def test_combine_empty_full_and_missing(monkeypatch, block):
     set_block(monkeypatch, block)
     m, h = 20, 64
     cases = [
@@ -157,7 +145,7 @@ def test_combine_empty_full_and_missing(monkeypatch, block, summer):
     assert_same(combine(inputs_for(0, h), h, []), torch.zeros((0, h), dtype=torch.bfloat16))
 
 
-def test_combine_reuses_its_buffers_cleanly(summer):
+def test_combine_reuses_its_buffers_cleanly():
     """Calls of other sizes in between leave nothing behind in the per-thread buffers."""
     calls = [(64, 512, 9), (3, 512, 10), (200, 700, 11), (64, 512, 12), (5, 512, 13)]
     for m, h, seed in calls:
@@ -165,7 +153,7 @@ def test_combine_reuses_its_buffers_cleanly(summer):
         assert_same(combine(inputs_for(m, h), h, pieces), reference(m, h, pieces))
 
 
-def test_combine_reads_parsed_responses_at_any_alignment(summer):
+def test_combine_reads_parsed_responses_at_any_alignment():
     """The client's answers are views into received bytes, at whatever offset the header
     leaves (odd ones too)."""
     m, h = 16, 128
@@ -184,7 +172,7 @@ def test_combine_reads_parsed_responses_at_any_alignment(summer):
     assert_same(combine(inputs_for(m, h), h, pieces), reference(m, h, plain))
 
 
-def test_combine_refuses_malformed_answers(summer):
+def test_combine_refuses_malformed_answers():
     m, h = 4, 512
     pieces = make_pieces(m, h, 2, seed=1, full=(0,))
     inputs = inputs_for(m, h)
@@ -245,8 +233,7 @@ PROBE = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
-@pytest.mark.parametrize("native_sum", ["1", "0"])
-def test_combine_and_gather_open_no_openmp_region(tmp_path, native_sum):
+def test_combine_and_gather_open_no_openmp_region(tmp_path):
     """libgomp starts its workers at the first parallel region: in a fresh process, none
     may appear through combine and forward_request. The control (index_add_ of one
     4096-wide row, as the old combine did) shows that the count does move."""
@@ -254,8 +241,7 @@ def test_combine_and_gather_open_no_openmp_region(tmp_path, native_sum):
     control = "torch.zeros(2, 4096).index_add_(0, torch.tensor([1]), torch.ones(1, 4096))"
     script = tmp_path / "probe.py"
     script.write_text(PROBE.format(tests=tests, control=control))
-    # OMP_NUM_THREADS: a region starts workers on any machine; the C sum or numpy's
-    env = {**os.environ, "OMP_NUM_THREADS": "4", "EXPERTD_NATIVE_COMBINE": native_sum}
+    env = {**os.environ, "OMP_NUM_THREADS": "4"}  # a region starts workers on any machine
     res = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -263,21 +249,3 @@ def test_combine_and_gather_open_no_openmp_region(tmp_path, native_sum):
     before, after, with_control = map(int, res.stdout.split())
     assert after == before, res.stdout
     assert with_control > after, res.stdout
-
-
-def test_native_sum_falls_back_to_numpy_without_a_compiler(monkeypatch, tmp_path):
-    monkeypatch.setenv("EXPERTD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails
-    monkeypatch.setattr(native, "_state", {})
-    assert native.library() is None
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setenv("CC", "cc")
-    monkeypatch.setenv("EXPERTD_NATIVE_COMBINE", "0")
-    assert native.library() is None  # switched off
-    m, h = 9, 64
-    pieces = make_pieces(m, h, 4, seed=21)
-    assert_same(combine(inputs_for(m, h), h, pieces), reference(m, h, pieces))
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.delenv("EXPERTD_NATIVE_COMBINE")
-    lib = native.library()  # built afresh into the empty cache
-    assert lib is not None and list(tmp_path.glob("host-*/libexpertd_host.so"))
