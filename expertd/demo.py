@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-TOLERANCE = 1e-2  # SPEC section 3: relative Frobenius error
+TOLERANCE = 1e-2  # docs/protocol.md: relative Frobenius error
 
 
 def cache_dir() -> Path:

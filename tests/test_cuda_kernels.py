@@ -1,4 +1,4 @@
-"""GPU tests of the `cuda` backend against the float64 reference (SPEC section 3).
+"""GPU tests of the `cuda` backend against the float64 reference (docs/protocol.md).
 
 Skipped without a CUDA device. Tolerance: relative Frobenius error <= 1e-2 (bf16 operands and
 bf16 intermediates; measured errors are printed with -s).
