@@ -82,11 +82,9 @@ def _reference(args, preset, layer: int, checkpoint: Path | None, device: str):
     return per_shard
 
 
-def _loading_progress(shards, layers: int) -> tuple[int, int]:
+def _loading_progress(shards, layers: int, health_status) -> tuple[int, int]:
     """(layers loaded, shards serving): the first from the servers' log lines, the
     second from grpc.health.v1."""
-    from expertd.server.launcher import health_status
-
     loaded = sum(sum("loaded layer " in line for line in s.log) for s in shards)
     serving = sum(health_status(s.address) == SERVING for s in shards)
     return min(loaded, layers * len(shards)), serving
@@ -96,7 +94,7 @@ def run_demo(args) -> int:
     from expertd.client import ExpertClient
     from expertd.kernels.reference import relative_error
     from expertd.server.config import shard_experts
-    from expertd.server.launcher import start_shard, stop_shards, wait_serving
+    from expertd.server.launcher import health_status, start_shard, stop_shards, wait_serving
     from expertd.server.synthetic import get_preset
 
     started = time.perf_counter()
@@ -195,7 +193,7 @@ def run_demo(args) -> int:
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
-            progress = _loading_progress(ordered, args.layers)
+            progress = _loading_progress(ordered, args.layers, health_status)
             if progress != shown or time.monotonic() - last > 5:
                 say(
                     f"  {progress[0]}/{args.layers * args.shards} shard layers loaded, "
