@@ -1,5 +1,5 @@
 """Kernel benchmark: the shard forward (preset muse-spark, 32 local experts) over the M sweep of
-../shared/PERF.md, with the floor's two rates measured in the same run.
+docs/performance.md, with the floor's two rates measured in the same run.
 
 Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under --out.
 

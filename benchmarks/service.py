@@ -1,4 +1,4 @@
-"""Service benchmark (../shared/PERF.md, "The service"): the real client against
+"""Service benchmark (docs/performance.md, "The service"): the real client against
 8 real shard servers, next to what the busiest shard spent computing.
 
     python benchmarks/service.py --out $OUT [--device cuda] [--preset muse-spark] [--ms 1,16,256]

@@ -77,7 +77,7 @@ def parse_expert_list(text: str) -> list[int]:
 
 
 def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
-    """Shard s of n owns the contiguous range [s*E/n, (s+1)*E/n) (SPEC section 1)."""
+    """Shard s of n owns the contiguous range [s*E/n, (s+1)*E/n) (docs/protocol.md)."""
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
     if num_shards > num_experts:

@@ -1,5 +1,5 @@
 """The Open Inference Protocol (KServe v2 gRPC) on the same port as our own
-service: model "moe", the layer as request parameter "layer" (SPEC section 4).
+service: model "moe", the layer as request parameter "layer" (docs/protocol.md).
 
 A ModelInfer request is translated to our ForwardRequest (no copy of the
 tensor bytes beyond protobuf's own) and goes through the same admission,

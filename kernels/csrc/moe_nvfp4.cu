@@ -1,6 +1,6 @@
 // expertd: one shard's NVFP4 W4A16 MoE forward on Hopper (sm_90a), as a C-ABI library.
 //
-// What it computes (SPEC section 3), for every route (t, j) whose expert e is owned here:
+// What it computes (docs/protocol.md), for every route (t, j) whose expert e is owned here:
 //     h = W13[e] @ x[t];  a = silu(h[:I]) * h[I:];  z = (W2[e] @ a) * (1 + w_norm)
 //     out[t] = sum_j topk_weights[t, j] * z / sqrt(mean(z^2) + 1e-8)
 // x and out are bf16 [M, H]; every element of out is written (zeros for a token with no owned

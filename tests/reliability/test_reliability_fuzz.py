@@ -3,7 +3,7 @@ shard server: random dtypes, shapes (huge ones with small payloads too), byte
 lengths, ids, NaN/Inf, truncated bytes, unknown layers and models, and random
 bytes as the serialized message.
 
-The oracle is SPEC section 5 itself: `expected_ok` says whether a request is
+The oracle is docs/protocol.md itself: `expected_ok` says whether a request is
 well formed; a well-formed one must be answered with the reference's result, a
 malformed one refused with a caller's-mistake status (never UNKNOWN or
 INTERNAL), and a good request must be answered correctly after each of them.
@@ -114,7 +114,7 @@ def mutate(draw, req: pb.ForwardRequest, t: pb.Tensor) -> None:
 
 
 def expected_ok(req: pb.ForwardRequest):
-    """SPEC section 5 as a predicate: the decoded (x, ids, w) when well formed, else None."""
+    """docs/protocol.md as a predicate: the decoded (x, ids, w) when well formed, else None."""
     if req.layer not in (0, 1) or not all(req.HasField(n) for n in NAMES):
         return None
     tensors = []

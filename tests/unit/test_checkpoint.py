@@ -1,4 +1,4 @@
-"""Checkpoint writer and reader (SPEC section 2): round trip, layouts, lazy reads, errors.
+"""Checkpoint writer and reader (docs/protocol.md): round trip, layouts, lazy reads, errors.
 
 One 2-layer `small` checkpoint is written per module; the other cases are built
 from its tensors with safetensors' own `save_file`, each mutated one way.
@@ -23,7 +23,7 @@ from expertd.server.checkpoint import (
 from expertd.server.synthetic import get_preset, synthetic_layer
 
 PRESET = get_preset("small")  # H=512, I=256, E=64
-H, I, E = PRESET.hidden_size, PRESET.intermediate_size, PRESET.num_experts  # noqa: E741 (the SPEC's names)
+H, I, E = PRESET.hidden_size, PRESET.intermediate_size, PRESET.num_experts  # noqa: E741 (the protocol's names)
 SEED = 11
 
 

@@ -1,4 +1,4 @@
-"""The NVFP4 codec against hand-computed values (SPEC section 2)."""
+"""The NVFP4 codec against hand-computed values (docs/protocol.md)."""
 
 from __future__ import annotations
 

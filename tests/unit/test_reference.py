@@ -1,4 +1,4 @@
-"""The reference forward (SPEC section 3) against a route-by-route float64
+"""The reference forward (docs/protocol.md) against a route-by-route float64
 evaluation written straight from the formulas, and the reference backend."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from expertd.kernels import ReferenceBackend, reference_forward, relative_error
 from expertd.server.synthetic import get_preset, synthetic_layer
 
 PRESET = get_preset("small")
-H, I = PRESET.hidden_size, PRESET.intermediate_size  # noqa: E741 (the SPEC's names)
+H, I = PRESET.hidden_size, PRESET.intermediate_size  # noqa: E741 (the protocol's names)
 OWNED = [3, 9, 10, 11, 40, 63]  # a non-contiguous shard
 
 
@@ -22,7 +22,7 @@ def layer():
 
 
 def by_the_formulas(layer, x, ids, w) -> torch.Tensor:
-    """One route at a time, float64, exactly as SPEC section 3 writes it."""
+    """One route at a time, float64, exactly as docs/protocol.md writes it."""
     gate, up, down = (p.dequantize(torch.float64) for p in (layer.gate, layer.up, layer.down))
     norm = layer.norm_weight.double()
     out = torch.zeros((x.shape[0], H), dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Every bad input of SPEC section 5 gets the right status and a message naming
+"""Every bad input of docs/protocol.md gets the right status and a message naming
 the problem, and the server answers a good request correctly afterwards."""
 
 from __future__ import annotations
