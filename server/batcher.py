@@ -106,13 +106,13 @@ class Batcher:
     def submit(self, job: Job) -> None:
         """Queue a validated request, or refuse it when the queue is full."""
         p = self.policy
-        if len(self._queue) >= p.max_queue_requests or (
-            self._queue and self._queued_tokens + job.tokens > p.max_queue_tokens
-        ):
+        full = len(self._queue) >= p.max_queue_requests
+        if full or (self._queue and self._queued_tokens + job.tokens > p.max_queue_tokens):
+            self.metrics.overload.labels("queue_requests" if full else "queue_tokens").inc()
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"server queue full: {len(self._queue)} requests / {self._queued_tokens} tokens "
-                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens})",
+                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens}): retry later",
             )
         self._queue.append(job)
         self._queued_tokens += job.tokens

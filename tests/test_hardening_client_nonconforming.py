@@ -1,0 +1,202 @@
+"""A server that does not speak the protocol (a real grpc.aio server on a real
+socket, answering badly): the SDK raises its own error at once, naming the
+shard's address and the problem, and a shard whose Describe makes no sense is
+taken out of rotation with the reason while the others serve."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import PRESET, hidden, shard_config
+
+from expertd import wire
+from expertd.aioloop import start_loop_thread, stop_loop_thread
+from expertd.client import CoverageError, ExpertClient, ExpertdError, ShardCallError
+from expertd.kernels import reference_forward, relative_error
+from expertd.server.app import BackgroundServer
+from expertd.v1 import expertd_pb2 as pb
+
+SERVICE = "expertd.v1.ExpertService"
+REAL = list(range(32))  # experts of the real shard (shard 0 of 2)
+FAKE = list(range(32, 64))  # experts the fake claims
+
+
+class FakeShard:
+    """A grpc.aio server on its own loop thread that describes itself as shard 1
+    of 2 of the `small` preset and answers Forward as `mode` says."""
+
+    def __init__(self, mode: str, describe: dict | None = None) -> None:
+        self.mode = mode
+        fields = dict(
+            version="0",
+            backend="fake",
+            device="cpu",
+            hidden_size=PRESET.hidden_size,
+            intermediate_size=PRESET.intermediate_size,
+            num_experts=PRESET.num_experts,
+            top_k=8,
+            layers=[0, 1],
+            experts=FAKE,
+            activation_dtype=pb.BF16,
+            output_dtype=pb.BF16,
+            instance_id="fake",
+            max_tokens_per_request=16384,
+            max_message_bytes=1 << 30,
+            shard_index=1,
+            num_shards=2,
+        )
+        fields.update(describe or {})
+        self.info = pb.DescribeResponse(**fields)
+        self.forwards = 0
+        self._loop, self._thread = start_loop_thread("fake-shard")
+        self._server, port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        self.address = f"127.0.0.1:{port}"
+
+    async def _start(self):
+        raw = bytes  # answers are serialized here (or are garbage on purpose)
+        handlers = {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                self.describe,
+                request_deserializer=pb.DescribeRequest.FromString,
+                response_serializer=pb.DescribeResponse.SerializeToString,
+            ),
+            "Forward": grpc.unary_unary_rpc_method_handler(
+                self.forward,
+                request_deserializer=pb.ForwardRequest.FromString,
+                response_serializer=raw,
+            ),
+            "ForwardStream": grpc.stream_stream_rpc_method_handler(
+                self.stream,
+                request_deserializer=pb.ForwardRequest.FromString,
+                response_serializer=raw,
+            ),
+        }
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    async def describe(self, request, context):
+        return self.info
+
+    def answer(self, req: pb.ForwardRequest) -> bytes:
+        self.forwards += 1
+        rows = req.hidden_states.shape[0]
+        out = wire.encode(torch.zeros((rows, PRESET.hidden_size), dtype=torch.bfloat16))
+        rid = req.request_id
+        if self.mode == "error_ok":  # status OK, an error inside
+            code = grpc.StatusCode.INTERNAL.value[0]
+            reply = pb.ForwardResponse(request_id=rid, error=pb.Error(code=code, message="boom"))
+        elif self.mode == "empty":
+            reply = pb.ForwardResponse(request_id=rid)
+        elif self.mode == "short":  # one row short
+            out.shape[0] = rows - 1
+            out.data = out.data[: (rows - 1) * PRESET.hidden_size * 2]
+            reply = pb.ForwardResponse(request_id=rid, output=out)
+        elif self.mode == "garbage":
+            return b"\x0f\xff\xff"  # field 1 with wire type 7: not protobuf
+        else:
+            reply = pb.ForwardResponse(request_id=rid, output=out)
+        return reply.SerializeToString()
+
+    async def forward(self, request, context):
+        return self.answer(request)
+
+    async def stream(self, requests, context):
+        async for req in requests:
+            yield self.answer(req)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
+        stop_loop_thread(self._loop, self._thread)
+
+
+@pytest.fixture(scope="module")
+def real():
+    server = BackgroundServer(shard_config(0, num_shards=2))
+    yield server
+    server.stop()
+
+
+def case(experts: list[int], m: int = 4):
+    gen = torch.Generator().manual_seed(sum(experts))
+    x = hidden(m, gen)
+    ids = torch.tensor([experts] * m, dtype=torch.int32)
+    return x, ids, torch.rand((m, len(experts)), generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("transport", "mode", "says"),
+    [
+        ("unary", "error_ok", "status OK but an error inside: INTERNAL: boom"),
+        ("stream", "error_ok", "INTERNAL: boom"),  # the stream's own error answer
+        *((t, "empty", "no output") for t in ("unary", "stream")),
+        *((t, "short", "output shape [3, 512], expected [4, 512]") for t in ("unary", "stream")),
+        ("unary", "garbage", "could not be decoded"),
+        ("stream", "garbage", "undecodable answer"),
+    ],
+)
+def test_bad_answer_is_an_sdk_error_at_once(real, full_layers, transport, mode, says):
+    fake = FakeShard(mode)
+    try:
+        with ExpertClient([real.address, fake.address], timeout=20, transport=transport) as c:
+            x, ids, w = case([FAKE[0], FAKE[5]])
+            t0 = time.monotonic()
+            with pytest.raises(ShardCallError) as info:
+                c.forward(0, x, ids, w)
+            assert time.monotonic() - t0 < 5  # at once, not at the 20 s deadline
+            assert isinstance(info.value, ExpertdError)
+            assert info.value.address == fake.address
+            assert fake.address in str(info.value) and says in str(info.value), str(info.value)
+            assert fake.forwards >= 1
+            # The real shard is untouched by its neighbour's failure.
+            x, ids, w = case([REAL[1], REAL[9]])
+            out = c.forward(0, x, ids, w)
+            assert relative_error(out, reference_forward(full_layers[0], x, ids, w)) <= 1e-2
+    finally:
+        fake.stop()
+
+
+@pytest.mark.parametrize(
+    ("describe", "says"),
+    [
+        ({"experts": [*FAKE, 64]}, "expert ids 64 are outside [0, 64)"),
+        ({"experts": [*FAKE, 100]}, "expert ids 100 are outside [0, 64)"),
+        ({"hidden_size": 0}, "hidden_size is 0"),
+    ],
+)
+def test_bad_describe_takes_only_that_shard_out(real, full_layers, describe, says):
+    fake = FakeShard("good", describe)
+    try:
+        with ExpertClient([real.address, fake.address], timeout=20) as client:
+            why = client.unreachable.get(fake.address, "")
+            assert says in why and "Describe" in why, client.unreachable
+            assert real.address not in client.unreachable
+            # Calls that only need the real shard are served, and right.
+            x, ids, w = case([REAL[0], REAL[17], REAL[31]])
+            out = client.forward(1, x, ids, w)
+            assert relative_error(out, reference_forward(full_layers[1], x, ids, w)) <= 1e-2
+            # Calls that need the fake's experts name it and why.
+            x, ids, w = case([REAL[0], FAKE[3]])
+            t0 = time.monotonic()
+            with pytest.raises(CoverageError) as info:
+                client.forward(0, x, ids, w)
+            assert time.monotonic() - t0 < 5
+            assert fake.address in str(info.value) and says in str(info.value)
+        assert fake.forwards == 0
+    finally:
+        fake.stop()
+
+
+def test_only_bad_describes_fail_discovery_with_the_reason():
+    fake = FakeShard("good", {"experts": [*FAKE, 99]})
+    try:
+        with pytest.raises(CoverageError, match="expert ids 99 are outside"):
+            ExpertClient([fake.address], discover_timeout=5)
+    finally:
+        fake.stop()
