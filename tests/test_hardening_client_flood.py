@@ -70,10 +70,10 @@ def total(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
-async def flood(address: str, transport: str, timeout: float):
+async def flood(address, transport, timeout, calls=CALLS, m=4, after_timeout=2.0):
     gen = torch.Generator().manual_seed(3)
-    x = hidden(4, gen)
-    ids, w = routing(4, gen)
+    x = hidden(m, gen)
+    ids, w = routing(m, gen)
     async with await AsyncExpertClient.connect([address], transport=transport) as client:
         await client.forward(0, x, ids, w, timeout=30)  # the stream is open, all is warm
 
@@ -86,12 +86,12 @@ async def flood(address: str, transport: str, timeout: float):
 
         t0 = time.monotonic()
         endings = await asyncio.wait_for(
-            asyncio.gather(*(one() for _ in range(CALLS))), timeout + SLACK_S
+            asyncio.gather(*(one() for _ in range(calls))), timeout + SLACK_S
         )
         took = time.monotonic() - t0
         alive = client.stats()[address]["alive"]
         t1 = time.monotonic()
-        after = await client.forward(0, x, ids, w, timeout=2.0)
+        after = await client.forward(0, x, ids, w, timeout=after_timeout)
         recover = time.monotonic() - t1
     return collections.Counter(endings), took, alive, after, recover
 
@@ -124,6 +124,23 @@ def test_flood_ends_in_clear_statuses_and_the_shard_recovers(shard, transport, t
     assert alive  # busy is not down
     assert after.shape == (4, 512) and torch.isfinite(after.float()).all()
     assert proc.alive()
+
+
+def test_calls_that_gave_up_leave_no_backlog_on_the_stream(shard):
+    """Calls of 64 tokens, far more than the shard computes within their 0.5 s: once
+    they have given up, their requests must not still be sent and computed ahead
+    of the next call on the same stream (that backlog was seconds of compute). The
+    next call waits at most for the batch in flight when the flood ended."""
+    proc, _ = shard
+    endings, took, alive, after, recover = asyncio.run(
+        flood(proc.address, "stream", 0.5, calls=1000, m=64, after_timeout=4.0)
+    )
+    print(
+        f"\n1000 calls of 64 tokens, deadline 0.5 s: {dict(endings)} in {took:.1f} s;"
+        f" next call answered in {recover * 1e3:.0f} ms"
+    )
+    assert set(endings) <= ENDINGS, endings
+    assert alive and after.shape == (64, 512)
 
 
 def test_core_does_not_cancel_a_burst_of_unary_calls(shard):
