@@ -6,7 +6,9 @@
 This is the engine; ExpertClient runs it on a background event loop. Every call
 has one deadline: every attempt, backoff and probe fits inside it, so a call
 ends with the result or an error naming experts and addresses, never a hang
-and never a missing contribution.
+and never a missing contribution. A replica that refuses a call for overload
+gets it again after a pause (busy is not down); an answer or a Describe that
+does not follow the protocol is an error naming the address at once.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class ForwardStream:
         calls waited on it (a wedged stream): new calls get a fresh one."""
         if conn.ended or conn is not self._conn or not conn.pending:
             return
-        if time.monotonic() - conn.last_answer >= timeout:
+        if time.monotonic() - conn.last_answer >= 0.9 * timeout:  # (timers fire a hair early)
             self._conn = None
             self._retired.add(conn)
 

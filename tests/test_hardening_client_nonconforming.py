@@ -52,6 +52,7 @@ class FakeShard:
         fields.update(describe or {})
         self.info = pb.DescribeResponse(**fields)
         self.forwards = 0
+        self.streams = 0
         self._loop, self._thread = start_loop_thread("fake-shard")
         self._server, port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
         self.address = f"127.0.0.1:{port}"
@@ -108,6 +109,11 @@ class FakeShard:
         return self.answer(request)
 
     async def stream(self, requests, context):
+        self.streams += 1
+        if self.mode == "wedge_first_stream" and self.streams == 1:
+            async for _req in requests:  # reads on, never answers
+                self.forwards += 1
+            return
         async for req in requests:
             yield self.answer(req)
 
@@ -198,5 +204,23 @@ def test_only_bad_describes_fail_discovery_with_the_reason():
     try:
         with pytest.raises(CoverageError, match="expert ids 99 are outside"):
             ExpertClient([fake.address], discover_timeout=5)
+    finally:
+        fake.stop()
+
+
+def test_a_wedged_stream_is_replaced_for_the_next_call():
+    """The first stream takes requests and never answers (the replica is otherwise
+    healthy): the call waiting on it times out, and the next call goes out on a
+    fresh stream instead of waiting behind it."""
+    fake = FakeShard("wedge_first_stream")
+    try:
+        with ExpertClient([fake.address], timeout=20) as client:
+            x, ids, w = case([FAKE[0], FAKE[1]])
+            with pytest.raises(ShardCallError) as info:
+                client.forward(0, x, ids, w, timeout=1.0)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            out = client.forward(0, x, ids, w, timeout=5.0)
+            assert out.shape == (4, PRESET.hidden_size)
+            assert fake.streams == 2 and fake.address not in client.unreachable
     finally:
         fake.stop()
