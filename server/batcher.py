@@ -46,6 +46,14 @@ from expertd.v1 import expertd_pb2 as pb
 INLINE_TOKENS = 16
 
 
+class Overloaded(RequestError):
+    """RESOURCE_EXHAUSTED for overload (a limit on requests waiting or in flight,
+    not one on the request itself): the client may retry later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}: retry later")
+
+
 @dataclass(slots=True)
 class Job:
     args: ForwardArgs
@@ -109,10 +117,9 @@ class Batcher:
         full = len(self._queue) >= p.max_queue_requests
         if full or (self._queue and self._queued_tokens + job.tokens > p.max_queue_tokens):
             self.metrics.overload.labels("queue_requests" if full else "queue_tokens").inc()
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Overloaded(
                 f"server queue full: {len(self._queue)} requests / {self._queued_tokens} tokens "
-                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens}): retry later",
+                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens})"
             )
         self._queue.append(job)
         self._queued_tokens += job.tokens

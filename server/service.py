@@ -19,7 +19,7 @@ import torch
 
 import expertd
 from expertd.server.bank import ExpertBank
-from expertd.server.batcher import Batcher, BatchPolicy, Job
+from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.validate import Limits, RequestError, parse_forward
@@ -140,10 +140,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
         if self._inflight >= self.max_inflight:
             self.metrics.overload.labels("inflight").inc()
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server overloaded: {self._inflight} requests in flight "
-                f"(limit {self.max_inflight}): retry later",
+            raise Overloaded(
+                f"server overloaded: {self._inflight} requests in flight (limit {self.max_inflight})"
             )
         return self.bank
 
@@ -180,7 +178,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def _log_refusal(self, rid: str, e: RequestError) -> None:
         """One line per refusal, except overload: at most one line per OVERLOAD_LOG_S
         with how many went unlogged (a flood's refusals must stay cheap)."""
-        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and e.message.startswith("server"):
+        if isinstance(e, Overloaded):
             now = time.monotonic()
             if now - self._overload_logged < OVERLOAD_LOG_S:
                 self._overload_quiet += 1
