@@ -56,7 +56,7 @@ class AsyncExpertClient:
         transport: str = "stream",
         attempt_share: float = 0.5,
         busy_retries: int = 6,
-        busy_backoff: float = 0.02,
+        busy_backoff: float = 0.05,
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
