@@ -1,7 +1,8 @@
 """A server that does not speak the protocol (a real grpc.aio server on a real
 socket, answering badly): the SDK raises its own error at once, naming the
 shard's address and the problem, and a shard whose Describe makes no sense is
-taken out of rotation with the reason while the others serve."""
+taken out of rotation with the reason while the others serve. A server that is
+busy (refuses for overload, or cancels) is retried, never taken for down."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ class FakeShard:
     """A grpc.aio server on its own loop thread that describes itself as shard 1
     of 2 of the `small` preset and answers Forward as `mode` says."""
 
-    def __init__(self, mode: str, describe: dict | None = None) -> None:
+    def __init__(self, mode: str, describe: dict | None = None, refusals: int = 0) -> None:
         self.mode = mode
+        self.refusals = refusals  # refuse_<status> modes: refuse this many calls first
         fields = dict(
             version="0",
             backend="fake",
@@ -106,6 +108,10 @@ class FakeShard:
         return reply.SerializeToString()
 
     async def forward(self, request, context):
+        if self.mode.startswith("refuse_") and self.forwards < self.refusals:
+            self.forwards += 1
+            code = grpc.StatusCode[self.mode.removeprefix("refuse_").upper()]
+            await context.abort(code, "server overloaded: 9 requests in flight (limit 8)")
         return self.answer(request)
 
     async def stream(self, requests, context):
@@ -222,5 +228,66 @@ def test_a_wedged_stream_is_replaced_for_the_next_call():
             out = client.forward(0, x, ids, w, timeout=5.0)
             assert out.shape == (4, PRESET.hidden_size)
             assert fake.streams == 2 and fake.address not in client.unreachable
+    finally:
+        fake.stop()
+
+
+def test_a_busy_replica_is_retried_after_a_pause_and_kept():
+    """Overload refusals (RESOURCE_EXHAUSTED for a request within the limits its
+    Describe gave): the SDK pauses and sends again, within the deadline, and the
+    only replica stays in rotation."""
+    fake = FakeShard("refuse_resource_exhausted", refusals=3)
+    try:
+        with ExpertClient([fake.address], timeout=20, transport="unary") as client:
+            x, ids, w = case([FAKE[2], FAKE[7]])
+            out = client.forward(0, x, ids, w)
+            assert out.shape == (4, PRESET.hidden_size)
+            assert fake.forwards == 4  # three refusals, then the answer
+            assert client.unreachable == {}
+    finally:
+        fake.stop()
+
+
+def test_overload_past_the_retries_is_resource_exhausted_and_the_replica_stays():
+    fake = FakeShard("refuse_resource_exhausted", refusals=1000)
+    try:
+        with ExpertClient([fake.address], timeout=20, transport="unary", busy_retries=2) as c:
+            x, ids, w = case([FAKE[2]])
+            t0 = time.monotonic()
+            with pytest.raises(ShardCallError) as info:
+                c.forward(0, x, ids, w)
+            assert time.monotonic() - t0 < 5
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "overloaded" in str(info.value) and fake.address in str(info.value)
+            assert fake.forwards == 3 and c.unreachable == {}
+    finally:
+        fake.stop()
+
+
+def test_a_request_over_the_described_limit_is_not_retried():
+    """RESOURCE_EXHAUSTED for a request larger than the server said it takes is
+    the caller's problem: raised at once, not sent again."""
+    fake = FakeShard("refuse_resource_exhausted", {"max_tokens_per_request": 2}, refusals=1000)
+    try:
+        with ExpertClient([fake.address], timeout=20, transport="unary") as client:
+            x, ids, w = case([FAKE[2]])  # 4 tokens
+            with pytest.raises(ShardCallError) as info:
+                client.forward(0, x, ids, w)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert fake.forwards == 1
+    finally:
+        fake.stop()
+
+
+def test_a_cancelled_call_does_not_take_the_replica_out():
+    fake = FakeShard("refuse_cancelled", refusals=1)
+    try:
+        with ExpertClient([fake.address], timeout=20, transport="unary") as client:
+            x, ids, w = case([FAKE[4]])
+            with pytest.raises(ShardCallError) as info:
+                client.forward(0, x, ids, w)
+            assert info.value.code == grpc.StatusCode.CANCELLED
+            assert client.unreachable == {}
+            assert client.forward(0, x, ids, w).shape == (4, PRESET.hidden_size)
     finally:
         fake.stop()
