@@ -36,7 +36,8 @@ class ExpertClient:
         """Discovers the shards before returning (CoverageError when none answers).
 
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
-        token, tls, max_attempts, retry_backoff, refresh_s)."""
+        token, tls, max_attempts, retry_backoff, refresh_s, transport,
+        attempt_share, busy_retries, busy_backoff)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
         self._loop = shared_loop("expertd-client")

@@ -27,7 +27,7 @@ from expertd.server.metrics import Metrics
 from expertd.server.oip import InferenceServicer
 from expertd.server.runner import BatchRunner
 from expertd.server.security import BearerAuthInterceptor, server_credentials
-from expertd.server.service import ExpertServicer
+from expertd.server.service import ExpertServicer, server_options
 from expertd.server.validate import Limits
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import inference_pb2 as oip
@@ -133,6 +133,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     limits, options = message_limits(config, hidden_size)
     interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
     interceptors.append(MalformedRequestInterceptor())
+    options += server_options(config.max_inflight)  # overload: RESOURCE_EXHAUSTED, counted
     server = grpc.aio.server(options=options, interceptors=interceptors)
     metrics = Metrics()
     servicer = ExpertServicer(

@@ -118,20 +118,29 @@ def _view(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.d
     return buf[offset : offset + count * size].view(dtype).view(shape)
 
 
-def nonfinite_rows(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None):
-    """bool [M]: the row's hidden states or route weights hold NaN/Inf."""
+def nonfinite_rows(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+):
+    """bool [M]: the row's hidden states or route weights hold NaN/Inf, or (given
+    the forward's `output`) its output does: finite but huge inputs overflow."""
     finite = torch.isfinite(x).all(dim=1) & torch.isfinite(weights).all(dim=1)
+    if output is not None:
+        finite &= torch.isfinite(output).all(dim=1)
     return torch.logical_not(finite, out=out) if out is not None else ~finite
 
 
 def forward_checked(backend, state, x, ids, weights, out, bad) -> None:
-    """out <- the forward, bad <- nonfinite_rows, on the current stream. What a graph
-    replays, and what an eager batch on the GPU runs (the same ops: the same bits)."""
+    """out <- the forward, bad <- nonfinite_rows of inputs and output, on the current
+    stream. What a graph replays, and what an eager batch on the GPU runs (the same
+    ops: the same bits)."""
     if hasattr(backend, "forward_into"):
         backend.forward_into(state, x, ids, weights, out)
     else:
         out.copy_(backend.forward(state, x, ids, weights))
-    nonfinite_rows(x, weights, out=bad)
+    nonfinite_rows(x, weights, out=bad, output=out)
 
 
 class GraphBank:

@@ -1,7 +1,7 @@
 """Running merged batches on the backend's device.
 
 Several requests' host tensors go in; one bf16 [M, H] output and a per-row
-"input was not finite" flag come out, on the host (`staging.Result`).
+"input or output was not finite" flag come out, on the host (`staging.Result`).
 
 A batch runs in one of `depth` slots. `launch` gathers it and starts it,
 `Flight.wait` returns its results, `Flight.release` hands the slot back once
@@ -17,8 +17,9 @@ on the download stream brings back [bad flags | output]. Events order upload
 ever runs on the compute stream. With depth 2, batch n+1 is gathered and
 copied in while batch n computes, and batch n-1's results come back meanwhile.
 The host waits for nothing but a batch's own download event, before its
-results are read. The NaN/Inf check runs on the device (inside the graph) and
-its flags come back in the same copy as the output.
+results are read. The NaN/Inf check (of the inputs and of the output, which
+finite but huge inputs overflow) runs on the device (inside the graph) and its
+flags come back in the same copy as the output.
 
 Batches of up to FUSED_ROWS tokens run a graph that holds the copies too
 (server/graphs.py): gathered into the slot's fixed pinned buffers, they are one
@@ -204,7 +205,7 @@ class BatchRunner:
 
     def run(self, layer: int, xs, ids, ws) -> tuple[torch.Tensor, torch.Tensor]:
         """launch, wait, release -> (out bf16 [M, H], bad bool [M]: row had NaN/Inf
-        input), on the host. On CUDA they are views of a slot's reused pinned
+        input or output), on the host. On CUDA they are views of a slot's reused pinned
         buffer: read them before the next run."""
         flight = self.launch(layer, xs, ids, ws)
         try:
@@ -306,12 +307,11 @@ class BatchRunner:
         download, viewed in the slot's pinned output."""
         if flight._host is not None:
             state, x, i, w = flight._host
-            bad = nonfinite_rows(x, w)
             if flight.m == 0:
                 out = torch.zeros((0, self.hidden), dtype=torch.bfloat16)
             else:
                 out = self.bank.backend.forward(state, x, i, w)
-            return Result.of(out, bad)
+            return Result.of(out, nonfinite_rows(x, w, output=out))
         with torch.cuda.device(self.device):
             flight._slot.downloaded.synchronize()
         return flight.staging.result(flight.layout, flight.m)

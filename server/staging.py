@@ -24,7 +24,7 @@ from expertd.server.graphs import Layout
 @dataclass(frozen=True, slots=True)
 class Result:
     """A batch's output rows as bytes (uint8 [M, 2H], the bf16 pattern) and its
-    per-row "input was not finite" flags (bool [M]); numpy views, no copies."""
+    per-row "input or output was not finite" flags (bool [M]); numpy views, no copies."""
 
     out_bytes: np.ndarray
     bad_rows: np.ndarray
