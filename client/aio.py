@@ -7,6 +7,12 @@ This is the engine; ExpertClient runs it on a background event loop. Every call
 has one deadline: every attempt, backoff and probe fits inside it, so a call
 ends with the result or an error naming experts and addresses, never a hang
 and never a missing contribution.
+
+grpc.aio can still owe the client's event loop events after close() (the
+completions of calls it cancelled). In a process with other grpc.aio loops
+(an ExpertClient's, an embedded server's), do not close that loop right
+after: expertd.aioloop.run(main()) runs a coroutine as asyncio.run does and
+leaves its loop open (expertd/aioloop.py says why).
 """
 
 from __future__ import annotations
