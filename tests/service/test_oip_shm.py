@@ -1,5 +1,5 @@
 """The OIP system and CUDA shared-memory extensions, driven by the stock Triton
-client (tests/oip_shm_client.py, its own process) against a real server on a real
+client (tests/service/oip_shm_client.py, its own process) against a real server on a real
 socket, with real POSIX shared memory made by tritonclient.utils.shared_memory."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def shm_fds(path: str) -> int:
 
 
 class TritonClient:
-    """tests/oip_shm_client.py in its own process: call(op, **args) -> its answer."""
+    """tests/service/oip_shm_client.py in its own process: call(op, **args) -> its answer."""
 
     def __init__(self, address: str, token: str | None = TOKEN) -> None:
         args = [sys.executable, str(SCRIPT), address] + ([token] if token else [])
