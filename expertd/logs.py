@@ -77,7 +77,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def _log_uncaught(args) -> None:
+def _log_uncaught_in_thread(args) -> None:
     """Exceptions that end a thread, as log records (in the chosen form), not raw text."""
     if args.exc_type is SystemExit:
         return
@@ -88,6 +88,12 @@ def _log_uncaught(args) -> None:
     )
 
 
+def _log_uncaught(exc_type, exc_value, exc_traceback) -> None:
+    logging.getLogger("expertd").critical(
+        "uncaught exception", exc_info=(exc_type, exc_value, exc_traceback)
+    )
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -95,4 +101,5 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.captureWarnings(True)  # warnings too, in the same form
-    threading.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
+    sys.excepthook = _log_uncaught

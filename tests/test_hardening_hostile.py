@@ -27,7 +27,7 @@ from expertd.v1 import expertd_pb2_grpc as pb_grpc
 TOKEN = "hostile-test-token"
 SIZE = 29 << 20  # just under the small preset's message limit (~30 MiB)
 ATTACK_S = 6.0  # how long the hostile senders keep going
-PROBE_LIMIT_S = 1.5  # a probe (health Check, normal Forward) answers within this
+PROBE_LIMIT_S = 2.0  # a probe (health Check, normal Forward) answers within this (~0.1 s idle)
 REFUSE_LIMIT_S = 5.0  # each hostile message is refused within this
 FORWARD = "/expertd.v1.ExpertService/Forward"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
