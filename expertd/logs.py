@@ -94,8 +94,21 @@ def _log_uncaught(exc_type, exc_value, exc_traceback) -> None:
     )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (it may be replaced after setup,
+    as test runners do), not the stream it was when logging was set up."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
