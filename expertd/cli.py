@@ -97,7 +97,7 @@ def _serve_parser(sub) -> None:
     cap.add_argument(
         "--max-concurrent-rpcs",
         type=int,
-        default=_env("MAX_CONCURRENT_RPCS", 2048, int),
+        default=_env("MAX_CONCURRENT_RPCS", 8192, int),
         help="calls in progress, every method (more: RESOURCE_EXHAUSTED)",
     )
     cap.add_argument(
@@ -109,7 +109,7 @@ def _serve_parser(sub) -> None:
     cap.add_argument(
         "--max-streams-per-connection",
         type=int,
-        default=_env("MAX_STREAMS_PER_CONNECTION", 512, int),
+        default=_env("MAX_STREAMS_PER_CONNECTION", 1024, int),
         help="concurrent calls on one connection",
     )
     cap.add_argument(

@@ -39,9 +39,11 @@ class ServerConfig:
     graph_max_tokens: int = 1024  # CUDA graphs for merged batches up to this many tokens (0: off)
     pipeline_depth: int | None = None  # batches in flight on a GPU (None: runner's default, 2)
     # Connections and calls: caps on what clients can hold open (0 or None: no cap).
-    max_concurrent_rpcs: int = 2048  # calls in progress, of every method; then RESOURCE_EXHAUSTED
+    # calls in progress, every method, then RESOURCE_EXHAUSTED: a backstop far above
+    # max_inflight, so overload stays the service's own counted refusal
+    max_concurrent_rpcs: int = 8192
     max_connections: int = 1024  # open client connections; more are closed at once
-    max_streams_per_connection: int = 512  # concurrent calls on one connection (HTTP/2)
+    max_streams_per_connection: int = 1024  # concurrent calls on one connection (HTTP/2)
     receive_timeout_s: float = 30.0  # a call's request message must arrive within this
     stream_idle_timeout_s: float = 300.0  # a stream's next request, else its requests end
     connection_idle_s: float = 600.0  # connections without calls for this long are closed

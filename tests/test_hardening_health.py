@@ -15,8 +15,8 @@ import pytest
 from conftest import shard_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertd.server.app import BackgroundServer
 from expertd.launcher import start_shard, wait_serving
+from expertd.server.app import BackgroundServer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from expertd import wire
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
