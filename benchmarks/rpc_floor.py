@@ -12,7 +12,7 @@ round trip and the server's per-request Python, measured apart.
    answer a request of the same size with a response of the same size as ours:
      echo         the handler answers at once
      hop          the handler awaits one thread-pool round trip (loop -> thread -> loop)
-     intercepted  echo behind the server's MalformedRequestInterceptor (server/malformed.py)
+     intercepted  echo behind the server's RequestGuard (server/malformed.py)
 Writes JSON; prints a table last.
 """
 
@@ -35,7 +35,7 @@ import torch
 from expertd import codec, wire
 from expertd.server.bank import ModelInfo
 from expertd.server.graphs import Layout
-from expertd.server.malformed import MalformedRequestInterceptor
+from expertd.server.malformed import RequestGuard
 from expertd.server.staging import HostStaging
 from expertd.server.validate import Limits, parse_forward
 from expertd.v1 import expertd_pb2 as pb
@@ -118,7 +118,7 @@ class _Echo:
         asyncio.set_event_loop(self.loop)
 
         async def start() -> None:
-            interceptors = [MalformedRequestInterceptor()] if self.mode == "intercepted" else []
+            interceptors = [RequestGuard()] if self.mode == "intercepted" else []
             self.server = grpc.aio.server(options=OPTIONS, interceptors=interceptors)
             handler = grpc.unary_unary_rpc_method_handler(
                 self._handle, request_deserializer=bytes, response_serializer=bytes

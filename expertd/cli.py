@@ -93,6 +93,55 @@ def _serve_parser(sub) -> None:
         default=_env("PIPELINE_DEPTH", None, int),
         help="batches in flight on a GPU (default 2: one computing, the next copying in; 1: none)",
     )
+    cap = p.add_argument_group("connections and calls (0: no cap)")
+    cap.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=_env("MAX_CONCURRENT_RPCS", 8192, int),
+        help="calls in progress, every method (more: RESOURCE_EXHAUSTED)",
+    )
+    cap.add_argument(
+        "--max-connections",
+        type=int,
+        default=_env("MAX_CONNECTIONS", 1024, int),
+        help="open client connections (more are closed at once)",
+    )
+    cap.add_argument(
+        "--max-streams-per-connection",
+        type=int,
+        default=_env("MAX_STREAMS_PER_CONNECTION", 1024, int),
+        help="concurrent calls on one connection",
+    )
+    cap.add_argument(
+        "--receive-timeout",
+        type=float,
+        default=_env("RECEIVE_TIMEOUT_S", 30.0, float),
+        help="seconds for a call's request message to arrive (then DEADLINE_EXCEEDED)",
+    )
+    cap.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=_env("STREAM_IDLE_TIMEOUT_S", 300.0, float),
+        help="seconds a ForwardStream may go without a request before its requests end",
+    )
+    cap.add_argument(
+        "--connection-idle-timeout",
+        type=float,
+        default=_env("CONNECTION_IDLE_S", 600.0, float),
+        help="close connections without calls after this many seconds",
+    )
+    cap.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=_env("MAX_CONNECTION_AGE_S", 0.0, float),
+        help="ask clients to reconnect after this many seconds (spreads them over replicas)",
+    )
+    cap.add_argument(
+        "--keepalive",
+        type=float,
+        default=_env("KEEPALIVE_S", 60.0, float),
+        help="ping quiet connections this often; close them when 20 s go without an answer",
+    )
     sec = p.add_argument_group("security")
     sec.add_argument(
         "--auth-token-file",
@@ -168,6 +217,14 @@ def cmd_serve(args) -> int:
         graph_max_tokens=args.graph_max_tokens,
         pipeline_depth=args.pipeline_depth,
         max_batch_requests=args.max_batch_requests,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_connections=args.max_connections,
+        max_streams_per_connection=args.max_streams_per_connection,
+        receive_timeout_s=args.receive_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        connection_idle_s=args.connection_idle_timeout,
+        max_connection_age_s=args.max_connection_age,
+        keepalive_s=args.keepalive,
         auth_token=load_token(args.auth_token_file),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

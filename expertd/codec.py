@@ -1,18 +1,29 @@
-"""ForwardRequest and ForwardResponse read straight off the received bytes.
+"""ForwardRequest and ForwardResponse read straight off the received bytes, and
+the limits on what reading any request may cost.
 
 protobuf (upb) copies a message's bytes into its arena when it parses, and
 copies a bytes field again each time it is read: two full copies of every
 tensor before we see it. These readers walk the wire format of the two messages
 that carry tensors (the server reads requests, the client responses) and return
 memoryviews into the received buffer: no copy.
-It reads exactly the proto3 encoding protobuf writes (fields in any order,
-unknown fields skipped, packed or unpacked `shape`, last scalar wins) and raises
-protobuf's DecodeError where protobuf would refuse the bytes.
+They read exactly what protobuf reads (fields in any order, unknown fields and
+groups skipped, packed or unpacked `shape`, last scalar wins, keys and lengths of
+at most 5 bytes) and raise protobuf's DecodeError where protobuf would refuse the
+bytes (tests/test_hardening_codec_fuzz.py checks both against protobuf).
+
+Their work is bounded whatever the message: a request of ~30 MiB made of millions
+of tiny fields would keep a Python reader busy for seconds (and protobuf's for up
+to a second). Past MAX_FIELDS fields, MAX_REPEATED entries of one repeated number
+field (a shape's rank) or MAX_DEPTH levels of nesting, a message is refused with
+MessageLimitError (a DecodeError) naming the limit. `check_limits` applies the same
+limits, walking a message by its descriptor, before protobuf parses the requests
+it reads (server/malformed.py).
 """
 
 from __future__ import annotations
 
 import torch
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from expertd.v1 import expertd_pb2 as pb
@@ -60,17 +71,57 @@ class ForwardRequestView:
         return getattr(self, name) is not None
 
 
-def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+# Limits on the work any one message may cause. A message of up to ~30 MiB made of
+# tiny fields would otherwise keep a pure-Python reader busy for many seconds (and
+# protobuf's own for up to a second): past these limits it is refused, not read.
+MAX_FIELDS = 1024  # fields read in one message: sub-messages, groups and packed entries included
+MAX_REPEATED = 64  # entries of one repeated number field (a tensor's shape: its rank)
+MAX_DEPTH = 100  # nesting of sub-messages and groups; protobuf's own recursion limit
+_MASK64 = (1 << 64) - 1
+
+
+class MessageLimitError(DecodeError):
+    """Bytes that may well be a message, but one costing more to read than any
+    request may: the message names the limit it breaks."""
+
+
+class _Budget:
+    """What is left of MAX_FIELDS while reading one message."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_FIELDS
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise MessageLimitError(
+                f"message has more than {MAX_FIELDS} fields (limit {MAX_FIELDS})"
+            )
+
+
+def _deeper(depth: int) -> int:
+    if depth >= MAX_DEPTH:
+        raise MessageLimitError(f"message nests deeper than {MAX_DEPTH} levels (limit {MAX_DEPTH})")
+    return depth + 1
+
+
+def _varint(buf: memoryview, pos: int, end: int, max_bytes: int = 10) -> tuple[int, int]:
+    """A varint of at most `max_bytes` bytes (protobuf: 10 for values, 5 for keys and
+    lengths), kept to 64 bits."""
+    if pos < end and buf[pos] < 0x80:
+        return buf[pos], pos + 1
     value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise DecodeError("truncated or overlong varint")
+    stop = min(end, pos + max_bytes)
+    while pos < stop:
         byte = buf[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value & 0xFFFFFFFFFFFFFFFF, pos
+            return value & _MASK64, pos
         shift += 7
+    raise DecodeError("truncated or overlong varint")
 
 
 def _signed(value: int) -> int:
@@ -81,47 +132,176 @@ def _int32(value: int) -> int:
     return ((value & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
 
 
-def _fields(buf: memoryview, pos: int, end: int):
-    """(field number, wire type, value) for each field; value: int or memoryview."""
+def _key(buf: memoryview, pos: int, end: int) -> tuple[int, int, int]:
+    """A field key -> (number, wire type, position after it)."""
+    key, pos = _varint(buf, pos, end, 5)
+    if key >> 32:
+        raise DecodeError("field key out of range")
+    if key >> 3 == 0:
+        raise DecodeError("field number 0")
+    return key >> 3, key & 7, pos
+
+
+def _value(buf: memoryview, pos: int, end: int, number: int, wire: int, budget, depth: int):
+    """The value of a field whose key was read -> (value, position after it).
+    value: int (varint, fixed), memoryview (length-delimited) or None (a group,
+    skipped whole, as protobuf keeps an unknown group)."""
+    if wire == 0:
+        return _varint(buf, pos, end)
+    if wire == 2:
+        size, pos = _varint(buf, pos, end, 5)
+        if size > end - pos:
+            raise DecodeError("truncated length-delimited field")
+        return buf[pos : pos + size], pos + size
+    if wire in (1, 5):
+        width = 8 if wire == 1 else 4
+        if width > end - pos:
+            raise DecodeError("truncated fixed-width field")
+        return int.from_bytes(buf[pos : pos + width], "little"), pos + width
+    if wire == 3:
+        return None, _skip_group(buf, pos, end, number, budget, _deeper(depth))
+    raise DecodeError(f"unexpected wire type {wire}")
+
+
+def _skip_group(buf: memoryview, pos: int, end: int, number: int, budget, depth: int) -> int:
+    """Past the end of the group that started with field `number`."""
+    while True:
+        if pos >= end:
+            raise DecodeError("unterminated group")
+        budget.spend()
+        inner, wire, pos = _key(buf, pos, end)
+        if wire == 4:
+            if inner != number:
+                raise DecodeError("mismatched end of group")
+            return pos
+        _, pos = _value(buf, pos, end, inner, wire, budget, depth)
+
+
+def _fields(buf: memoryview, pos: int, end: int, budget: _Budget, depth: int = 0):
+    """(field number, wire type, value) for each field of a message at nesting
+    `depth`; value: int or memoryview. Groups are skipped (as unknown fields)."""
     while pos < end:
-        key, pos = _varint(buf, pos, end)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise DecodeError("field number 0")
-        if wire == 0:
-            value, pos = _varint(buf, pos, end)
-        elif wire == 2:
-            size, pos = _varint(buf, pos, end)
+        budget.spend()
+        key = buf[pos]
+        if 8 <= key < 0x80:  # the usual one-byte key (fields 1-15)
+            number, wire, pos = key >> 3, key & 7, pos + 1
+        else:
+            number, wire, pos = _key(buf, pos, end)
+        if wire == 2:
+            size, pos = _varint(buf, pos, end, 5)
             if size > end - pos:
                 raise DecodeError("truncated length-delimited field")
-            value, pos = buf[pos : pos + size], pos + size
-        elif wire in (1, 5):
-            width = 8 if wire == 1 else 4
-            if width > end - pos:
-                raise DecodeError("truncated fixed-width field")
-            value, pos = int.from_bytes(buf[pos : pos + width], "little"), pos + width
-        else:
-            raise DecodeError(f"unsupported wire type {wire}")
-        yield number, wire, value
+            yield number, 2, buf[pos : pos + size]
+            pos += size
+            continue
+        if wire == 4:
+            raise DecodeError("end of group outside a group")
+        value, pos = _value(buf, pos, end, number, wire, budget, depth)
+        if value is not None:
+            yield number, wire, value
 
 
-def _tensor(buf: memoryview, into: TensorView | None) -> TensorView:
+def _packed(value: memoryview, out: list[int], budget: _Budget, what: str) -> None:
+    """Append a packed run of varints to `out` (at most MAX_REPEATED in all)."""
+    pos, end = 0, len(value)
+    while pos < end:
+        item, pos = _varint(value, pos, end)
+        _append(out, _signed(item), budget, what)
+
+
+def _append(out: list[int], item: int, budget: _Budget, what: str) -> None:
+    if len(out) >= MAX_REPEATED:
+        raise MessageLimitError(
+            f"{what} has more than {MAX_REPEATED} entries (limit {MAX_REPEATED})"
+        )
+    budget.spend()
+    out.append(item)
+
+
+def _tensor(buf: memoryview, into: TensorView | None, budget: _Budget, depth: int) -> TensorView:
     t = into or TensorView()  # a repeated embedded message merges, as protobuf does
-    for number, wire, value in _fields(buf, 0, len(buf)):
+    depth = _deeper(depth)
+    for number, wire, value in _fields(buf, 0, len(buf), budget, depth):
         if number == 1 and wire == 0:
             t.dtype = _int32(value)
         elif number == 2 and wire == 0:
-            t.shape.append(_signed(value))
+            _append(t.shape, _signed(value), budget, "a tensor shape")
         elif number == 2 and wire == 2:  # packed
-            pos = 0
-            while pos < len(value):
-                item, pos = _varint(value, pos, len(value))
-                t.shape.append(_signed(item))
+            _packed(value, t.shape, budget, "a tensor shape")
         elif number == 3 and wire == 2:
             t.data = value
         # anything else (unknown fields, a known number with another wire type) is
         # skipped, as protobuf keeps it as an unknown field
     return t
+
+
+_FIXED = {  # protobuf field type -> bytes per entry of a packed run (0: varints)
+    FieldDescriptor.TYPE_DOUBLE: 8,
+    FieldDescriptor.TYPE_FIXED64: 8,
+    FieldDescriptor.TYPE_SFIXED64: 8,
+    FieldDescriptor.TYPE_FLOAT: 4,
+    FieldDescriptor.TYPE_FIXED32: 4,
+    FieldDescriptor.TYPE_SFIXED32: 4,
+}
+_SCHEMAS: dict[str, dict[int, tuple]] = {}
+
+
+def _schema(descriptor) -> dict[int, tuple]:
+    """field number -> (sub-message descriptor or None, width of a repeated number
+    field's entries or None, field name)."""
+    schema = _SCHEMAS.get(descriptor.full_name)
+    if schema is None:
+        schema = {}
+        for f in descriptor.fields:
+            numbers = f.is_repeated and f.message_type is None and f.type not in _BLOBS
+            schema[f.number] = (f.message_type, _FIXED.get(f.type, 0) if numbers else None, f.name)
+        _SCHEMAS[descriptor.full_name] = schema
+    return schema
+
+
+_BLOBS = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+
+
+def check_limits(data, descriptor) -> None:
+    """Raise MessageLimitError if protobuf, reading `data` as a `descriptor` message,
+    would read more than MAX_FIELDS fields, MAX_REPEATED entries of one repeated
+    number field or MAX_DEPTH levels. Bytes that are no message end the walk: the
+    parse that follows refuses them. Costs at most MAX_FIELDS steps, whatever the
+    size of `data`, after which protobuf's own parse is bounded too."""
+    buf = memoryview(data)
+    try:
+        _walk(buf, descriptor, _Budget(), 0)
+    except MessageLimitError:
+        raise
+    except DecodeError:
+        return
+
+
+def _walk(buf: memoryview, descriptor, budget: _Budget, depth: int) -> None:
+    schema = _schema(descriptor)
+    counts: dict[int, int] = {}
+    for number, wire, value in _fields(buf, 0, len(buf), budget, depth):
+        sub, width, name = schema.get(number, (None, None, ""))
+        if sub is not None and wire == 2:
+            _walk(value, sub, budget, _deeper(depth))
+        elif width is not None:
+            if wire == 2:  # a packed run
+                if width:
+                    n = len(value) // width
+                elif len(value) > 10 * MAX_REPEATED:
+                    n = MAX_REPEATED + 1  # that many bytes hold more varints than that
+                else:
+                    n = sum(1 for byte in value if byte < 0x80)
+            elif wire == (0 if width == 0 else 1 if width == 8 else 5):
+                n = 1
+            else:
+                continue  # another wire type: an unknown field
+            counts[number] = counts.get(number, 0) + n
+            if counts[number] > MAX_REPEATED:
+                raise MessageLimitError(
+                    f"field {name!r} has more than {MAX_REPEATED} entries (limit {MAX_REPEATED})"
+                )
+            budget.spend(n)
 
 
 def _text(value) -> str:
@@ -135,10 +315,11 @@ def parse_forward_request(data: bytes) -> ForwardRequestView:
     """Received bytes -> ForwardRequestView (tensor bytes not copied)."""
     buf = memoryview(data)
     req = ForwardRequestView()
-    for number, wire, value in _fields(buf, 0, len(buf)):
+    budget = _Budget()
+    for number, wire, value in _fields(buf, 0, len(buf), budget):
         if number in _TENSORS and wire == 2:
             name = _TENSORS[number]
-            setattr(req, name, _tensor(value, getattr(req, name)))
+            setattr(req, name, _tensor(value, getattr(req, name), budget, 0))
         elif number == 1 and wire == 0:
             req.layer = value & 0xFFFFFFFF
         elif number == 5 and wire == 0:
@@ -183,14 +364,15 @@ def parse_forward_response(data: bytes) -> ForwardResponseView:
     """Received bytes -> ForwardResponseView (the output's bytes not copied)."""
     buf = memoryview(data)
     resp = ForwardResponseView()
-    for number, wire, value in _fields(buf, 0, len(buf)):
+    budget = _Budget()
+    for number, wire, value in _fields(buf, 0, len(buf), budget):
         if number == 1 and wire == 0:
             resp.request_id = value
         elif number == 2 and wire == 2:
-            resp.output = _tensor(value, resp.output)
+            resp.output = _tensor(value, resp.output, budget, 0)
         elif number == 3 and wire == 2:
             resp.error = resp.error or ErrorView()
-            for n, w, v in _fields(value, 0, len(value)):
+            for n, w, v in _fields(value, 0, len(value), budget, _deeper(0)):
                 if n == 1 and w == 0:
                     resp.error.code = _int32(v)
                 elif n == 2 and w == 2:

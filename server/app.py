@@ -2,19 +2,26 @@
 
 The server binds first (port 0 allowed) and answers health NOT_SERVING while it
 loads; it reports SERVING once every layer is resident, and NOT_SERVING again
-while it drains on SIGTERM/SIGINT.
+while it drains on SIGTERM/SIGINT (health Watch streams end then). A signal while
+the experts are still loading stops the process at once, exit code 0.
+
+Every call passes the request guard (server/malformed.py: receive timeout, bounded
+parse) and, with a token, the auth check before it (server/security.py); the
+transport caps connections, streams per connection and calls in progress.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expertd.aioloop import start_loop_thread, stop_loop_thread
@@ -22,7 +29,10 @@ from expertd.codec import parse_forward_request, serialize_forward_response
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
-from expertd.server.malformed import MalformedRequestInterceptor
+from expertd.server.health import NOT_SERVING, SERVING, HealthServicer
+from expertd.server.health import SERVICE_NAME as HEALTH_SERVICE_NAME
+from expertd.server.malformed import ReceiveLimits, RequestGuard
+from expertd.server.memory import HeapTrimmer
 from expertd.server.metrics import Metrics
 from expertd.server.oip import InferenceServicer
 from expertd.server.runner import BatchRunner
@@ -37,15 +47,13 @@ log = logging.getLogger("expertd.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 OIP_SERVICE_NAME = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass(slots=True)
 class RunningServer:
     server: grpc.aio.Server
     servicer: ExpertServicer
-    health: health.aio.HealthServicer
+    health: HealthServicer
     address: str  # host:port actually bound (or the unix: address)
     port: int
     metrics: Metrics
@@ -53,6 +61,7 @@ class RunningServer:
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     health_port: int | None = None
     inference: InferenceServicer | None = None  # the OIP service (holds shared-memory regions)
+    trimmer: HeapTrimmer | None = None  # returns freed memory after large requests
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
@@ -66,8 +75,9 @@ class RunningServer:
     async def drain_and_stop(self, grace_s: float, delay_s: float = 0.0) -> None:
         """Health NOT_SERVING; for delay_s keep admitting calls (those already on the wire,
         and whatever arrives before clients and load balancers see the health change); then
-        refuse new calls, let in-flight ones finish (up to grace_s), stop."""
-        await self.set_serving(False)
+        refuse new calls, let in-flight ones finish (up to grace_s), stop. Health
+        Watch streams get their NOT_SERVING and end at once."""
+        await self.health.shutdown()
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         self.servicer.draining = True
@@ -78,6 +88,8 @@ class RunningServer:
         if self.inference is not None:
             self.inference.close()  # unregisters every shared-memory region
         self.metrics.close()
+        if self.trimmer is not None:
+            await self.trimmer.stop()
 
 
 def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list[tuple[str, int]]]:
@@ -88,8 +100,44 @@ def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list
         ("grpc.max_receive_message_length", receive),
         ("grpc.max_send_message_length", send),
         ("grpc.so_reuseport", 0),
+        *transport_options(config),
     ]
     return limits, options
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)
+
+
+def transport_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Caps on what clients hold open, as grpc's channel arguments (0: no cap)."""
+    options = [
+        # Clients may ping (keepalive) at most every 10 s, more is closed off after two
+        # strikes; the server pings quiet connections itself to find dead peers.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]
+    if config.keepalive_s > 0:
+        options.append(("grpc.keepalive_time_ms", _ms(config.keepalive_s)))
+    if config.max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", config.max_connections))
+    if config.max_streams_per_connection > 0:
+        options.append(("grpc.max_concurrent_streams", config.max_streams_per_connection))
+    if config.connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(config.connection_idle_s)))
+    if config.max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", _ms(config.max_connection_age_s)))
+        options.append(("grpc.max_connection_age_grace_ms", _ms(config.grace_s)))
+    return options
+
+
+def receive_limits(config: ServerConfig) -> ReceiveLimits:
+    return ReceiveLimits(
+        receive_timeout_s=config.receive_timeout_s or None,
+        stream_idle_s=config.stream_idle_timeout_s or None,
+    )
 
 
 def add_expert_service(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
@@ -132,9 +180,13 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     """Bind and start answering (health NOT_SERVING until a bank is attached)."""
     limits, options = message_limits(config, hidden_size)
     interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
-    interceptors.append(MalformedRequestInterceptor())
+    interceptors.append(RequestGuard(receive_limits(config)))
     options += server_options(config.max_inflight)  # overload: RESOURCE_EXHAUSTED, counted
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(
+        options=options,
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
+    )
     metrics = Metrics()
     servicer = ExpertServicer(
         limits,
@@ -147,10 +199,10 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     add_expert_service(servicer, server)
     inference = InferenceServicer(servicer, allow_shm=config.allow_client_shm)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     if credentials is None:
@@ -169,10 +221,16 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     if config.health_listen:
         # Kubernetes' gRPC probes and most health checkers speak plaintext only: with TLS
         # on the main port, serve grpc.health.v1 (and nothing else) here in the clear.
-        running.health_server = grpc.aio.server()
+        running.health_server = grpc.aio.server(
+            options=transport_options(config),
+            interceptors=[RequestGuard(receive_limits(config))],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
         running.health_port = running.health_server.add_insecure_port(config.health_listen)
         await running.health_server.start()
+    running.trimmer = HeapTrimmer()
+    running.trimmer.start()
     await running.set_serving(False)
     return running
 
@@ -223,23 +281,51 @@ def _settle(fut: asyncio.Future, value, error) -> None:
         fut.set_result(value)
 
 
+def security_posture(config: ServerConfig, running: RunningServer) -> tuple[int, str]:
+    """(log level, one line): what a client must present, and what is exposed where."""
+    auth = "bearer token" if config.auth_token else "off"
+    tls = "off (plaintext)"
+    if config.tls_cert:
+        tls = "mutual (client certificates required)" if config.tls_client_ca else "on"
+    metrics = "off"
+    if running.metrics_port is not None:
+        metrics = f"0.0.0.0:{running.metrics_port} (plaintext, no auth)"
+    health = "off"
+    if running.health_server is not None:
+        health = f"{_bound(config.health_listen, running.health_port)} (plaintext)"
+    line = (
+        f"security: listening on {running.address}, auth {auth}, TLS {tls}, "
+        f"metrics {metrics}, health-only port {health}"
+    )
+    host = running.address.rsplit(":", 1)[0].strip("[]")
+    local = running.address.startswith("unix:") or host in ("127.0.0.1", "::1", "localhost")
+    if not local and not config.auth_token and not config.tls_client_ca:
+        return logging.WARNING, line + ": anyone who reaches this address can call every method"
+    return logging.INFO, line
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process at once, logs flushed: for a stop while the loader thread
+    is still inside torch (reading, repacking, capturing graphs), which cannot be
+    interrupted, and around which the interpreter's own exit aborts the process."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 async def serve(config: ServerConfig, on_listening=None) -> int:
     """The `expertd serve` main loop; returns the process exit code."""
-    source = WeightSource(config)
-    running = await start(config, source.shape[0])
-    log.info(
-        "listening on %s%s (loading %s)%s",
-        running.address,
-        " with TLS" if config.tls_cert else "",
-        config.source(),
-        f"; metrics on :{running.metrics_port}" if running.metrics_port is not None else "",
-    )
-    if on_listening is not None:
-        on_listening(running.address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    source = WeightSource(config)
+    running = await start(config, source.shape[0])
+    log.info("listening on %s (loading %s)", running.address, config.source())
+    log.log(*security_posture(config, running))
+    if on_listening is not None:
+        on_listening(running.address)
     loader = asyncio.ensure_future(_load_in_thread(config, source))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -262,6 +348,9 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
     delay_s = config.drain_delay_s if loader.done() else 0.0  # nothing to admit while loading
     log.info("draining (admitting for %.1f s more, grace %.0f s)", delay_s, config.grace_s)
     await running.drain_and_stop(config.grace_s, delay_s)
+    if not loader.done():
+        log.info("stopped while loading")
+        _exit_now(0)
     log.info("stopped")
     return 0
 

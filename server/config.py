@@ -38,6 +38,17 @@ class ServerConfig:
     max_batch_requests: int = 256  # 1 turns batching off
     graph_max_tokens: int = 1024  # CUDA graphs for merged batches up to this many tokens (0: off)
     pipeline_depth: int | None = None  # batches in flight on a GPU (None: runner's default, 2)
+    # Connections and calls: caps on what clients can hold open (0 or None: no cap).
+    # calls in progress, every method, then RESOURCE_EXHAUSTED: a backstop far above
+    # max_inflight, so overload stays the service's own counted refusal
+    max_concurrent_rpcs: int = 8192
+    max_connections: int = 1024  # open client connections; more are closed at once
+    max_streams_per_connection: int = 1024  # concurrent calls on one connection (HTTP/2)
+    receive_timeout_s: float = 30.0  # a call's request message must arrive within this
+    stream_idle_timeout_s: float = 300.0  # a stream's next request, else its requests end
+    connection_idle_s: float = 600.0  # connections without calls for this long are closed
+    max_connection_age_s: float = 0.0  # connections are asked to reconnect after this long
+    keepalive_s: float = 60.0  # ping a quiet connection this often; no answer in 20 s: closed
     # Security: bearer token (from a file or EXPERTD_AUTH_TOKEN), TLS from PEM files.
     auth_token: str | None = None
     tls_cert: str | None = None
