@@ -30,6 +30,7 @@ import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -39,6 +40,8 @@ from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
+
+SENT = b""  # a Job's result when its sink took the answer
 
 # Batches of up to this many tokens run on the event loop when nothing else is in
 # flight on the GPU (see above); 0 turns that off.
@@ -52,6 +55,10 @@ class Job:
     received_ns: int  # time.perf_counter_ns() at arrival
     future: asyncio.Future
     request_id: int = 0  # echoed in the response
+    # Where the answer goes instead of a response message: a shared-memory slot
+    # (server/slots.py) that takes the output rows and the timing on the finisher's
+    # thread and wakes its client there; the future then gets SENT.
+    sink: Any = None
     tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -286,6 +293,11 @@ class Batcher:
                         batch_tokens=batch_tokens,
                     )
                     payload = result.out_bytes[row : row + rows]  # copied once, into the bytes
+                    if job.sink is not None:  # into the client's slot, and ring it
+                        job.sink.write_output(payload, _timing_fields(timing))
+                        results.append(SENT)
+                        row += rows
+                        continue
                     shape = (rows, self.runner.hidden)
                     results.append(
                         encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
@@ -302,6 +314,18 @@ class Batcher:
         for job in jobs:
             m.queue_seconds.observe((started - job.received_ns) / 1e9)
         return results
+
+
+def _timing_fields(timing: pb.Timing) -> dict:
+    return {
+        "queue_us": timing.queue_us,
+        "compute_us": timing.compute_us,
+        "total_us": timing.total_us,
+        "stage_us": timing.stage_us,
+        "device_us": timing.device_us,
+        "batch_requests": timing.batch_requests,
+        "batch_tokens": timing.batch_tokens,
+    }
 
 
 def _settle(jobs: list[Job], results: list) -> None:
