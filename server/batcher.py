@@ -26,6 +26,7 @@ requests that arrive meanwhile wait in gRPC's queue and form the next batch.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -92,6 +93,9 @@ class Batcher:
         # Waits for batches on the device and writes their responses, while the compute
         # thread launches the next batch (only used when the runner overlaps batches).
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-finish")
+        # Held while a batch is being launched, and for the whole of a direct run (below):
+        # a direct run takes a runner slot only when one is free and nothing else launches.
+        self._gate = threading.Lock()
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -124,6 +128,31 @@ class Batcher:
         self._queued_tokens += job.tokens
         self.metrics.queued_tokens.set(self._queued_tokens)
         self._wake.set()
+
+    def run_direct(self, job: Job) -> bool:
+        """Run `job` on the calling thread now, if the batcher is idle: nothing queued,
+        nothing computing, a runner slot free, no launch under way. -> False (nothing
+        done) otherwise: the caller queues it with `submit` on the event loop.
+
+        For calls arriving on a thread of their own (a shared-memory slot's waiter,
+        server/slots.py): a lone call then costs no hand-off to the event loop and on
+        to the compute thread (two thread wake-ups), and a call arriving meanwhile
+        finds the gate taken and is queued, where it batches with others as usual.
+        The job's sink takes the answer; an error is raised to the caller."""
+        if self._queue or self.computing or not self._gate.acquire(blocking=False):
+            return False
+        try:
+            if self._queue or self.computing or self.runner.free_slots < 1:
+                return False
+            if job.deadline is not None and time.monotonic() >= job.deadline:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+            started = time.perf_counter_ns()
+            result = self._finish([job], self._start([job]), started)[0]
+        finally:
+            self._gate.release()
+        if isinstance(result, Exception):
+            raise result
+        return True
 
     # -- the loop ------------------------------------------------------------------
 
@@ -228,7 +257,9 @@ class Batcher:
         """Launch, wait, answer on this thread; the slot is free again on return."""
         started = time.perf_counter_ns()
         try:
-            results = self._finish(jobs, self._start(jobs), started)
+            with self._gate:
+                flight = self._start(jobs)
+            results = self._finish(jobs, flight, started)
         except Exception as e:  # a bug or a device fault: every caller of the batch hears it
             results = [e] * len(jobs)
         finally:
@@ -249,7 +280,8 @@ class Batcher:
         The queue is read without the event loop's lock: a request that arrives just
         after the check waits for this batch, as with one slot."""
         started = time.perf_counter_ns()
-        flight = self._start(jobs)
+        with self._gate:
+            flight = self._start(jobs)
         if flight.done or self.runner.depth == 1 or not self._queue:
             done: Future = Future()
             try:

@@ -40,6 +40,7 @@ import grpc
 import torch
 
 from expertd import dataplane as dp
+from expertd.server.batcher import Job
 from expertd.server.validate import RequestError, check_forward, invalid
 
 log = logging.getLogger("expertd.server")
@@ -379,7 +380,11 @@ class SlotRegistry:
         ids, w = ids.clone(), w.clone()
         args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
         deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-        self.servicer.submit_threadsafe(args, deadline, received, slot, ctl.request_id)
+        job = Job(args, deadline, received, None, ctl.request_id, slot)
+        if self.servicer.batcher.run_direct(job):  # idle: run here, answered already
+            self.servicer.count_slot(grpc.StatusCode.OK)
+            return
+        self.servicer.submit_threadsafe(job)
 
     def close(self) -> None:
         """Stop accepting and end every lease (clients see the socket close)."""
