@@ -285,16 +285,20 @@ class AsyncExpertClient:
                 slot.release()
 
     def _direct_slot(self, topo: Topology, part: ShardPart):
-        """(replica, free slot) for a part on the caller's thread, or (None, None)."""
+        """(replica, free slot) for a part on the caller's thread, or (None, None). A live
+        replica whose slots are not leased yet (new, or restarted) sends the call to
+        the loop's path, which leases them, so a restarted replica rejoins."""
         addresses = topo.shards[part.shard].addresses
         n = len(addresses)
         for i in range(n):
             ep = self._pool.endpoints[addresses[(self._turn + i) % n]]
+            if not ep.alive or ep.info is None:
+                continue
             ch = ep.dataplane
-            if not ep.alive or ch is None or ep.info is None:
-                continue
-            if ch.instance_id != ep.info.instance_id or not ch.usable():
-                continue
+            if ch is None or ch.instance_id != ep.info.instance_id or not ch.usable():
+                if ep.dataplane_for != ep.info.instance_id or ch is not None:
+                    return None, None  # not decided for this instance yet
+                continue  # on gRPC
             slot = ch.acquire()
             if slot is not None:
                 return ep, slot

@@ -164,20 +164,19 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     # -- calls arriving through a shared-memory slot (server/slots.py) -----------------
 
-    def submit_threadsafe(self, args, deadline, received: int, slot, request_id: int) -> None:
-        """Queue a checked slot call from the slot's waiter thread."""
-        self._loop.call_soon_threadsafe(
-            self._submit_slot, args, deadline, received, slot, request_id
-        )
+    def submit_threadsafe(self, job: Job) -> None:
+        """Queue a checked slot call (job.sink: its slot) from the slot's waiter thread."""
+        self._loop.call_soon_threadsafe(self._submit_slot, job)
 
-    def _submit_slot(self, args, deadline, received: int, slot, request_id: int) -> None:
+    def _submit_slot(self, job: Job) -> None:
         """On the event loop: admitted and queued like a Forward; the answer goes
         straight into the slot (Job.sink), errors through the job's future."""
+        slot = job.sink
         try:
             self._admit()
             self._inflight += 1
             self.metrics.inflight.set(self._inflight)
-            job = Job(args, deadline, received, self._loop.create_future(), request_id, slot)
+            job.future = self._loop.create_future()
             slots.answer_later(job.future, slot, self)
         except RequestError as e:
             self.count_slot(e.code)
