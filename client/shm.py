@@ -73,10 +73,15 @@ class Slot:
         self.seq = 0
         self.rows = 0  # rows of the call in flight / last answered
         self.channel: ShmChannel | None = None
+        self.held = False  # taken by a call (its answer may still be read)
 
     def release(self) -> None:
-        """Back to its channel's free slots (taken again only once idle)."""
-        if self.channel is not None:
+        """Back to its channel's free slots (taken again only once idle); unmapped
+        instead when its lease has ended meanwhile."""
+        self.held = False
+        if self.lease.closed:
+            self.unmap()
+        elif self.channel is not None:
             self.channel.release(self)
 
     def idle(self) -> bool:
@@ -152,6 +157,8 @@ class Slot:
         return {name: getattr(self.ctl, name) for name in dp.TIMING_FIELDS}
 
     def unmap(self) -> None:
+        if self.ctl is None:
+            return
         self.x = self.ids = self.w = self.out = None
         self.ctl = None
         with contextlib.suppress(BufferError):  # a caller's view still alive: GC unmaps
@@ -243,7 +250,8 @@ class Lease:
         with contextlib.suppress(OSError):
             self.sock.close()
         for slot in self.slots:
-            slot.unmap()
+            if not slot.held:  # a held one: when its call lets go of it (Slot.release)
+                slot.unmap()
 
 
 def _fail(fut: asyncio.Future, error: Exception) -> None:
@@ -278,6 +286,7 @@ class ShmChannel:
                 if slot.lease.closed:
                     del self._free[i]
                 elif slot.idle():
+                    slot.held = True
                     return self._free.pop(i)
         return None
 
