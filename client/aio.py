@@ -473,9 +473,17 @@ class AsyncExpertClient:
             budget = remaining * self.attempt_share if backup else remaining
             ep.outstanding += 1
             try:
-                slot = await self._slot(ep, budget) if slots_ok else None
+                slot = (
+                    await self._slot(ep, min(budget, self.discover_timeout)) if slots_ok else None
+                )
                 if slot is not None:
-                    held.append(slot)
+                    held.append(slot)  # released after the sum, or when the call fails
+                if slots_ok:  # leasing may have taken time: what is left of it
+                    spent = remaining - (deadline - time.monotonic())
+                    remaining, budget = remaining - spent, budget - spent
+                    if budget <= 0:
+                        raise StreamCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                if slot is not None:
                     piece = await self._forward_slot(ep, slot, layer, inputs, part, budget, md)
                     ep.calls += 1
                     return [piece]

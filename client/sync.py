@@ -36,7 +36,8 @@ class ExpertClient:
         """Discovers the shards before returning (CoverageError when none answers).
 
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
-        token, tls, max_attempts, retry_backoff, refresh_s)."""
+        token, tls, max_attempts, retry_backoff, refresh_s, transport: "auto" picks
+        shared memory for each shard on this host, see docs/dataplane.md)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
         self._loop = shared_loop("expertd-client")

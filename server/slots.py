@@ -405,10 +405,6 @@ class SlotRegistry:
             }
 
 
-def unavailable(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.UNAVAILABLE, message)
-
-
 def answer_later(fut: asyncio.Future, slot: Slot, servicer) -> None:
     """When `fut` (a Job's future) ends: errors into the slot (the finisher wrote a
     success already), and the servicer's books."""
