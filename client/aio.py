@@ -9,6 +9,12 @@ ends with the result or an error naming experts and addresses, never a hang
 and never a missing contribution. A replica that refuses a call for overload
 gets it again after a pause (busy is not down); an answer or a Describe that
 does not follow the protocol is an error naming the address at once.
+
+grpc.aio can still owe the client's event loop events after close() (the
+completions of calls it cancelled). In a process with other grpc.aio loops
+(an ExpertClient's, an embedded server's), do not close that loop right
+after: expertd.aioloop.run(main()) runs a coroutine as asyncio.run does and
+leaves its loop open (expertd/aioloop.py says why).
 """
 
 from __future__ import annotations

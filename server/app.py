@@ -300,7 +300,7 @@ class BackgroundServer:
         return self._running.servicer
 
     def stop(self, grace_s: float = 0.0) -> None:
-        if self._loop.is_closed():
+        if not self._thread.is_alive():  # stopped already (its loop may run another server now)
             return
         self._call(self._running.drain_and_stop(grace_s), timeout=grace_s + 30)
         stop_loop_thread(self._loop, self._thread)

@@ -135,7 +135,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 // subnormal). The repack (repack.py: e2m1_regs, the same operations in Python, and the bit
 // positions derived from them) stores the 8 codes of one k-step so that 4 registers take 8 ops,
 // the fewest an exhaustive search over masks, shifts, rotations, byte permutes and carry-free
-// multiplies found (benchmarks/e2m1_layout_search.py; 10 with two-copy multiplies): the plain
+// multiplies found (10 with two-copy multiplies; docs/kernel.md): the plain
 // mask, two rotations and a mask each, and one masked word times 2^2 + 2^7 + 2^12 (the three
 // shifted copies never overlap, so the product is their OR), then a mask:
 //   reg | ops                       | code bits from q

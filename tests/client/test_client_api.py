@@ -18,7 +18,7 @@ import torch
 from conftest import PRESET, hidden, routing
 
 from expertd import wire
-from expertd.aioloop import start_loop_thread
+from expertd.aioloop import run, start_loop_thread, stop_loop_thread
 from expertd.client import (
     TLS,
     AsyncExpertClient,
@@ -41,7 +41,7 @@ class FakeShard(pb_grpc.ExpertServiceServicer, grpc.aio.ServerInterceptor):
     def __init__(self, credentials: grpc.ServerCredentials | None = None) -> None:
         self.calls: list[tuple[str, dict[str, str]]] = []
         self.fail_with: grpc.StatusCode | None = None
-        self._loop, _ = start_loop_thread("fake-shard")
+        self._loop, self._thread = start_loop_thread("fake-shard")
         self.port = asyncio.run_coroutine_threadsafe(self._start(credentials), self._loop).result()
         self.address = f"127.0.0.1:{self.port}"
 
@@ -77,7 +77,7 @@ class FakeShard(pb_grpc.ExpertServiceServicer, grpc.aio.ServerInterceptor):
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        stop_loop_thread(self._loop, self._thread)
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_asyncio_many_in_flight(addresses, full_layers):
         async with await AsyncExpertClient.connect(addresses) as client:
             return await asyncio.gather(*(client.forward(*c) for c in work))
 
-    outs = asyncio.run(go())
+    outs = run(go())
     for (layer, x, ids, w), out in list(zip(work, outs, strict=True))[:6]:
         assert relative_error(out, reference_forward(full_layers[layer], x, ids, w)) <= 1e-2
 

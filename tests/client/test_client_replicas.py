@@ -14,6 +14,7 @@ import torch
 from conftest import PRESET, hidden, routing, shard_config
 
 from expertd import wire
+from expertd.aioloop import run
 from expertd.client import AsyncExpertClient, CoverageError, ExpertClient, ShardCallError
 from expertd.kernels import reference_forward, relative_error
 from expertd.server.app import BackgroundServer
@@ -115,7 +116,7 @@ def test_async_replica_stopped_under_load(replicas, full_layers):
             await asyncio.to_thread(replicas["b1"].stop)
             return await asyncio.gather(*calls), client.stats()
 
-    outs, stats = asyncio.run(go())
+    outs, stats = run(go())
     for ref, out in zip(want, outs, strict=True):
         assert relative_error(out, ref) <= TOL
     assert not stats[replicas["b1"].address]["alive"]

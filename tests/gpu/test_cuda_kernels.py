@@ -1,5 +1,5 @@
 """GPU tests of the `cuda` backend (the kernel library, kernels/csrc/moe_nvfp4.cu) against the
-plain-torch float64 reference (kernels/reference.py, SPEC section 3).
+plain-torch float64 reference (kernels/reference.py, docs/protocol.md).
 
 Every output buffer starts poisoned with NaN, so an element the kernels fail to write fails the
 check. Tolerances: relative Frobenius error <= 1e-2 over the call and <= 2e-2 for every token row

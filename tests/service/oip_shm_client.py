@@ -1,4 +1,4 @@
-"""A stock Triton gRPC client in its own process, driven by tests/test_oip_shm.py one
+"""A stock Triton gRPC client in its own process, driven by tests/service/test_oip_shm.py one
 command at a time: JSON lines on stdin, one JSON answer line each on stdout.
 
 Its own process because tritonclient defines the `inference.*` protobuf messages

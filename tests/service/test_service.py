@@ -12,6 +12,7 @@ from conftest import PRESET, SHARDS, hidden, routing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertd import wire
+from expertd.aioloop import run
 from expertd.client import AsyncExpertClient, ExpertClient
 from expertd.kernels import reference_forward, relative_error
 from expertd.v1 import expertd_pb2 as pb
@@ -87,7 +88,7 @@ def test_async_client_same_result(addresses, client):
             outs = await asyncio.gather(*(ac.forward(1, x, ids, w) for _ in range(4)))
         return outs
 
-    for out in asyncio.run(go()):
+    for out in run(go()):
         assert relative_error(out, want) <= 2e-3
 
 

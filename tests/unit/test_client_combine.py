@@ -236,7 +236,7 @@ PROBE = textwrap.dedent(
 def test_combine_and_gather_open_no_openmp_region(tmp_path):
     """libgomp starts its workers at the first parallel region: in a fresh process, none
     may appear through combine and forward_request. The control (index_add_ of one
-    4096-wide row, as the old combine did) shows that the count does move."""
+    4096-wide row, as a torch sum would run) shows that the count does move."""
     tests = str(Path(__file__).parent)
     control = "torch.zeros(2, 4096).index_add_(0, torch.tensor([1]), torch.ones(1, 4096))"
     script = tmp_path / "probe.py"
