@@ -27,8 +27,17 @@ import time
 import grpc
 import torch
 
+from expertd import dataplane as dp
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
-from expertd.client.core import Inputs, Piece, combine, forward_request, stage_inputs, to_caller
+from expertd.client.core import (
+    Inputs,
+    Piece,
+    bf16_bits,
+    combine,
+    forward_request,
+    stage_inputs,
+    to_caller,
+)
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
 from expertd.client.routing import (
@@ -39,10 +48,21 @@ from expertd.client.routing import (
     missing_experts,
     split_routes,
 )
-from expertd.client.stream import ForwardStream
+from expertd.client.shm import MAX_SLOTS, SLOTS_PER_LEASE, LeaseError, ShmChannel
+from expertd.client.stream import ForwardStream, StreamCallError
 from expertd.v1 import expertd_pb2 as pb
 
 BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
+
+# transport= values: "auto" leases shared-memory slots from each replica on this host and
+# uses gRPC for the others; "shm" asks for shared memory everywhere (a replica that cannot
+# give it fails the call's attempt with UNAVAILABLE); "grpc" (= "stream") and "unary"
+# never use shared memory.
+TRANSPORTS = ("auto", "shm", "grpc", "stream", "unary")
+
+
+class Fallback(Exception):
+    """The caller's-thread path cannot finish this call: run it on the event loop."""
 
 
 class AsyncExpertClient:
@@ -58,7 +78,7 @@ class AsyncExpertClient:
         max_attempts: int = 3,
         retry_backoff: float = 0.01,
         refresh_s: float = 10.0,
-        transport: str = "stream",
+        transport: str = "auto",
         attempt_share: float = 0.5,
         busy_retries: int = 6,
         busy_backoff: float = 0.05,
@@ -68,8 +88,10 @@ class AsyncExpertClient:
         max_attempts: replicas tried per shard and call (each at most once);
         retry_backoff: first pause before a retry (doubles, jittered);
         refresh_s: how often a live address is re-described;
-        transport: "stream" (calls multiplexed over one ForwardStream per replica: the
-        faster, see client/stream.py) or "unary" (one Forward RPC per shard and call);
+        transport: "auto" (the default: shared-memory slots with each replica on this
+        host, docs/dataplane.md; gRPC with the others), "shm" (shared memory forced),
+        "grpc" or "stream" (calls multiplexed over one ForwardStream per replica, see
+        client/stream.py) or "unary" (one Forward RPC per shard and call);
         attempt_share: the part of the time left an attempt gets when another live
         replica could take over (a stalled replica then costs only that part);
         busy_retries: how many times a shard part is sent again after a replica
@@ -79,9 +101,13 @@ class AsyncExpertClient:
         if not 0 < attempt_share <= 1:
             raise ValueError(f"attempt_share must be in (0, 1], not {attempt_share}")
         self.attempt_share = attempt_share
-        if transport not in ("stream", "unary"):
-            raise ValueError(f"transport must be 'stream' or 'unary', not {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.transport = transport
+        self._rpc = "unary" if transport == "unary" else "stream"
+        self._shm = transport in ("auto", "shm") and dp.available()
+        if transport == "shm" and not dp.available():
+            raise ValueError("transport 'shm' needs Linux (memfd, futex, fd passing)")
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one address")
         self.addresses = list(dict.fromkeys(addresses))
@@ -103,6 +129,8 @@ class AsyncExpertClient:
             endpoints[a] = Endpoint(a, channel, ExpertStub(channel))
         self._pool = Pool(endpoints, refresh_s=refresh_s)
         self._prober: asyncio.Task | None = None
+        # RegisterSlots carries the client's own metadata and token.
+        self._register_md = call_metadata(self._metadata, token, None, None)
         self._turn = 0
         self._candidates: dict = {}  # (topology, layer, live shards) -> candidates table
         self.topology: Topology | None = None
@@ -112,6 +140,7 @@ class AsyncExpertClient:
         client = cls(addresses, **kwargs)
         try:
             await client.refresh()
+            await client.open_dataplanes()
         except BaseException:
             await client.close()
             raise
@@ -125,6 +154,178 @@ class AsyncExpertClient:
     def stats(self) -> dict[str, dict]:
         """Per address: alive, why not, calls in flight, calls answered, instance_id."""
         return self._pool.stats()
+
+    # -- the same-host data plane ---------------------------------------------------
+
+    async def open_dataplanes(self, timeout: float | None = None) -> None:
+        """Lease slots from every live replica on this host that has none yet (the
+        transport is chosen per replica here, and again after it restarts)."""
+        if not self._shm:
+            return
+        timeout = self.discover_timeout if timeout is None else timeout
+        eps = [ep for ep in self._pool.endpoints.values() if ep.alive and ep.info is not None]
+        await asyncio.gather(*(self._dataplane(ep, timeout) for ep in eps))
+
+    async def _dataplane(self, ep: Endpoint, timeout: float) -> ShmChannel | None:
+        """This replica's slots, leased on first use (and again after a restart);
+        None when it is on gRPC (auto: not on this host, or it offers none)."""
+        if not self._shm or ep.info is None:
+            return None
+        instance = ep.info.instance_id
+        ch = ep.dataplane
+        if ch is not None and (ch.instance_id != instance or not ch.usable()):
+            ep.dataplane = None  # the replica restarted, or the lease ended: lease again
+            ep.dataplane_for = "" if ch.instance_id == instance else ep.dataplane_for
+            ep.dataplane_why = ch.broken or "replica restarted"
+            ch.close()
+            ch = None
+            if ep.dataplane_for == instance:
+                return None
+        if ch is not None or ep.dataplane_for == instance:
+            return ch
+        ep.dataplane_for = instance
+        if dp.SHM not in ep.info.dataplanes:
+            ep.dataplane_why = "the replica offers no same-host data plane"
+            return None
+        ch = ShmChannel(ep.address, instance)
+        try:
+            await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+        except (LeaseError, OSError) as e:
+            ch.close()
+            ep.dataplane_why = str(e)
+            return None
+        ep.dataplane, ep.dataplane_why = ch, ""
+        return ch
+
+    async def _slot(self, ep: Endpoint, timeout: float):
+        """A free slot of this replica, leasing more when all are busy; None: use gRPC."""
+        ch = await self._dataplane(ep, timeout)
+        if ch is None:
+            if self.transport == "shm":
+                why = ep.dataplane_why or "no shared-memory slots"
+                raise StreamCallError(grpc.StatusCode.UNAVAILABLE, f"shm transport: {why}")
+            return None
+        slot = ch.acquire()
+        if slot is None and ch.size < MAX_SLOTS:
+            try:
+                await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+            except (LeaseError, OSError):
+                return None
+            slot = ch.acquire()
+        return slot  # None: every slot busy; this call goes over gRPC
+
+    async def _forward_slot(self, ep: Endpoint, slot, layer: int, inputs, part, timeout, md):
+        """One attempt through a slot -> Piece (the slot stays held until the sum)."""
+        loop = asyncio.get_running_loop()
+        lease = slot.lease
+        if lease.closed:
+            raise lease.error()
+        m = inputs.x.shape[0]
+        tokens = None if part.tokens.numel() == m else part.tokens.numpy()
+        slot.start(
+            layer,
+            bf16_bits(inputs.x),
+            tokens,
+            part.topk_ids.numpy(),
+            part.topk_weights.numpy(),
+            timeout,
+            notify=True,
+        )
+        if not slot.answered():
+            fut = loop.create_future()
+            lease.waiters[slot.index] = (slot.seq, fut)
+            try:
+                if not slot.answered():  # answered before the waiter was in place
+                    await asyncio.wait_for(fut, timeout)
+            except TimeoutError:
+                raise StreamCallError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"
+                ) from None
+            finally:
+                lease.waiters.pop(slot.index, None)
+        bits = slot.result()
+        ep.last_timing = slot.timing()
+        return Piece(part.shard, part.tokens, bits, ep.address, ep.last_timing)
+
+    # -- the caller's-thread path (ExpertClient.forward) -------------------------------
+
+    def direct_ready(self) -> bool:
+        """May calls try the caller's-thread path (slots with every shard)?"""
+        return self._shm and self.topology is not None
+
+    def execute_direct(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
+        """Route, write every shard's slot, ring all, wait for all, sum: on the calling
+        thread, no hop through the event loop -> bf16 [M, H] on the host. Raises Fallback
+        when a part has no free slot with a live replica, or an attempt failed in a way
+        another replica might fix (the loop's path then runs the call with retries);
+        ShardCallError for an error no retry fixes."""
+        if tuple(kv for kv in md if kv[0] != "x-request-id") != self._stream_md:
+            raise Fallback
+        topo = self.topology
+        parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
+        if lost:
+            raise Fallback
+        held = []
+        try:
+            for part in parts:
+                ep, slot = self._direct_slot(topo, part)
+                if slot is None:
+                    raise Fallback
+                held.append((part, ep, slot))
+            x_bits = bf16_bits(inputs.x)
+            m = inputs.x.shape[0]
+            for part, _ep, slot in held:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Fallback  # the loop's path words the deadline error
+                tokens = None if part.tokens.numel() == m else part.tokens.numpy()
+                ids, w = part.topk_ids.numpy(), part.topk_weights.numpy()
+                slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
+            pieces = []
+            for part, ep, slot in held:
+                try:
+                    if not slot.wait(deadline):
+                        raise ShardCallError(
+                            ep.address,
+                            layer,
+                            part.experts,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "deadline passed",
+                        )
+                    bits = slot.result()
+                except StreamCallError as e:
+                    if e.code() in RETRYABLE or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise Fallback from None  # the loop's path retries, or pauses first
+                    raise ShardCallError(
+                        ep.address, layer, part.experts, e.code(), e.details()
+                    ) from None
+                ep.calls += 1
+                ep.last_timing = slot.timing()
+                pieces.append(Piece(part.shard, part.tokens, bits, ep.address, ep.last_timing))
+            return combine(inputs, topo.hidden_size, pieces)
+        finally:
+            for _part, _ep, slot in held:
+                slot.release()
+
+    def _direct_slot(self, topo: Topology, part: ShardPart):
+        """(replica, free slot) for a part on the caller's thread, or (None, None). A live
+        replica whose slots are not leased yet (new, or restarted) sends the call to
+        the loop's path, which leases them, so a restarted replica rejoins."""
+        addresses = topo.shards[part.shard].addresses
+        n = len(addresses)
+        for i in range(n):
+            ep = self._pool.endpoints[addresses[(self._turn + i) % n]]
+            if not ep.alive or ep.info is None:
+                continue
+            ch = ep.dataplane
+            if ch is None or ch.instance_id != ep.info.instance_id or not ch.usable():
+                if ep.dataplane_for != ep.info.instance_id or ch is not None:
+                    return None, None  # not decided for this instance yet
+                continue  # on gRPC
+            slot = ch.acquire()
+            if slot is not None:
+                return ep, slot
+        return None, None
 
     # -- discovery and probing ---------------------------------------------------------
 
@@ -236,8 +437,15 @@ class AsyncExpertClient:
             parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
         if lost:
             raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
-        pieces = await _all(self._send(topo, layer, inputs, p, deadline, md) for p in parts)
-        return combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+        held: list = []  # slots whose output regions the pieces view, until summed
+        try:
+            pieces = await _all(
+                self._send(topo, layer, inputs, p, deadline, md, held=held) for p in parts
+            )
+            return combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+        finally:
+            for slot in held:
+                slot.release()
 
     def _plan(self, topo, layer, ids, weights, avoid=frozenset()):
         """Split the routes over the shards with a live replica -> (parts, lost experts)."""
@@ -269,11 +477,17 @@ class AsyncExpertClient:
         await self._probe(due, min(self.discover_timeout, deadline - now))
         return any(ep.alive for ep in due)
 
-    async def _send(self, topo, layer, inputs, part: ShardPart, deadline, md, depth=0):
+    async def _send(self, topo, layer, inputs, part: ShardPart, deadline, md, depth=0, held=None):
         """One shard's part -> [Piece]: a live replica, the next one on a retryable
         failure, the same or another after a pause when it is busy (overload);
         when the shard has no replica left, its routes go to other owners."""
-        request = forward_request(layer, inputs, part)
+        request = None
+        held = [] if held is None else held
+        # Slots carry calls with the client's own credentials (checked when leased);
+        # a call with its own token or metadata goes over gRPC, where they are checked.
+        slots_ok = (
+            self._shm and tuple(kv for kv in md if kv[0] != "x-request-id") == self._stream_md
+        )
         rows = part.tokens.numel()
         tried: dict[str, str] = {}
         busy: dict[str, str] = {}  # replicas that refused for overload (kept in rotation)
@@ -293,6 +507,22 @@ class AsyncExpertClient:
             budget = remaining * self.attempt_share if backup else remaining
             ep.outstanding += 1
             try:
+                slot = (
+                    await self._slot(ep, min(budget, self.discover_timeout)) if slots_ok else None
+                )
+                if slot is not None:
+                    held.append(slot)  # released after the sum, or when the call fails
+                if slots_ok:  # leasing may have taken time: what is left of it
+                    spent = remaining - (deadline - time.monotonic())
+                    remaining, budget = remaining - spent, budget - spent
+                    if budget <= 0:
+                        raise StreamCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                if slot is not None:
+                    piece = await self._forward_slot(ep, slot, layer, inputs, part, budget, md)
+                    ep.calls += 1
+                    return [piece]
+                if request is None:
+                    request = forward_request(layer, inputs, part)
                 reply = await self._forward_rpc(ep, request, budget, md)
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
@@ -335,13 +565,14 @@ class AsyncExpertClient:
                     ep.address, layer, part.experts, grpc.StatusCode.INTERNAL, problem
                 )
             ep.calls += 1
-            return [Piece(part.shard, part.tokens, reply.output)]
+            ep.last_timing = reply.timing
+            return [Piece(part.shard, part.tokens, reply.output, ep.address, ep.last_timing)]
         if ep is None and time.monotonic() < deadline and depth < len(topo.shards):
             subparts, lost = self._plan(topo, layer, part.topk_ids, part.topk_weights, {part.shard})
             if not lost:  # redundant experts: their other owners take the routes
                 moved = [dataclasses.replace(p, tokens=part.tokens[p.tokens]) for p in subparts]
                 pieces = await _all(
-                    self._send(topo, layer, inputs, p, deadline, md, depth + 1) for p in moved
+                    self._send(topo, layer, inputs, p, deadline, md, depth + 1, held) for p in moved
                 )
                 return [p for ps in pieces for p in ps]
         address = last[0] if last else topo.shards[part.shard].addresses[0]
@@ -362,7 +593,7 @@ class AsyncExpertClient:
         # maybe with another placement) instead of skipping routes it lost.
         request.instance_id = ep.info.instance_id if ep.info is not None else ""
         call_md = tuple(kv for kv in md if kv[0] != "x-request-id")
-        if self.transport == "stream" and call_md == self._stream_md:
+        if self._rpc == "stream" and call_md == self._stream_md:
             if ep.stream is None:
                 ep.stream = ForwardStream(ep.stub, self._stream_md)
             request.trace_id = dict(md).get("x-request-id", "")
@@ -388,6 +619,9 @@ class AsyncExpertClient:
         for ep in self._pool.endpoints.values():
             if ep.stream is not None:
                 ep.stream.close()
+            if ep.dataplane is not None:
+                ep.dataplane.close()
+                ep.dataplane = None
         await asyncio.gather(*(ep.channel.close() for ep in self._pool.endpoints.values()))
 
     async def __aenter__(self) -> AsyncExpertClient:

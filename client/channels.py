@@ -88,6 +88,11 @@ class ExpertStub:
             request_serializer=pb.DescribeRequest.SerializeToString,
             response_deserializer=pb.DescribeResponse.FromString,
         )
+        self.RegisterSlots = channel.unary_unary(
+            service + "RegisterSlots",
+            request_serializer=pb.RegisterSlotsRequest.SerializeToString,
+            response_deserializer=pb.RegisterSlotsResponse.FromString,
+        )
 
 
 def metadata_tuples(metadata) -> list[tuple[str, str]]:

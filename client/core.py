@@ -100,7 +100,7 @@ COMBINE_BLOCK_ELEMENTS = 1 << 18
 _scratch = threading.local()  # combine runs on whichever thread calls it
 
 
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
     """A contiguous bf16 CPU tensor's bits as uint16 (a view)."""
     return t.view(torch.int16).numpy().view(np.uint16)
 
@@ -111,7 +111,7 @@ def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> ForwardReque
     if part.tokens.numel() == inputs.x.shape[0]:  # distinct rows, all of them: in order
         x = inputs.x
     else:
-        rows = _bf16_bits(inputs.x)[part.tokens.numpy()]
+        rows = bf16_bits(inputs.x)[part.tokens.numpy()]
         x = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
     return ForwardRequestOut(layer, x, part.topk_ids, part.topk_weights)
 
@@ -122,13 +122,23 @@ class Piece:
 
     shard: int
     tokens: torch.Tensor  # int64 [Ms]: rows of the call, distinct and ascending
-    output: pb.Tensor  # bf16 [Ms, H] on the wire
+    # bf16 [Ms, H]: on the wire (a Tensor message), or bf16 bits uint16 [Ms, H] where
+    # the shard wrote them (a shared-memory slot's output region, client/shm.py)
+    output: pb.Tensor | np.ndarray
+    address: str = ""  # the replica that answered
+    timing: object = None  # the shard's Timing (pb.Timing or a dict of its fields)
 
 
 def _answer_bits(piece: Piece, hidden_size: int) -> np.ndarray:
     """A piece's output as bf16 bits [Ms, H], viewed over the message's bytes."""
     msg = piece.output
     rows = piece.tokens.numel()
+    if isinstance(msg, np.ndarray):  # a slot's output region: written by the shard as asked
+        if msg.shape != (rows, hidden_size) or msg.dtype != np.uint16:
+            raise ValueError(
+                f"slot answer of shape {list(msg.shape)}, expected [{rows}, {hidden_size}]"
+            )
+        return msg
     data = msg.data  # a protobuf bytes field copies on each access: read it once
     shape = [rows, hidden_size]
     if msg.dtype == pb.BF16 and list(msg.shape) == shape and len(data) == rows * hidden_size * 2:
@@ -166,7 +176,7 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
         if bits.size:
             answers.append((piece.tokens.numpy(), bits))
     out = torch.empty((m, h), dtype=torch.bfloat16, pin_memory=inputs.pinned)
-    out_bits = _bf16_bits(out)
+    out_bits = bf16_bits(out)
     if not answers or m * h == 0:
         out_bits.fill(0)
         return out
@@ -216,7 +226,7 @@ def _sum(out: torch.Tensor, out_bits: np.ndarray, answers: list) -> None:
         sums = staged[: n * h].split(TORCH_INLINE_ELEMENTS)
         for d, s in zip(dst.split(TORCH_INLINE_ELEMENTS), sums, strict=True):
             d.copy_(s)  # round to nearest even, on this thread (no OpenMP region at this size)
-        got = _bf16_bits(dst).reshape(n, h)
+        got = bf16_bits(dst).reshape(n, h)
         if got.view(np.int16).min() == -0x8000:  # bf16 -0 is int16's least value: one pass
             got[got == 0x8000] = 0
         if perm is not None:

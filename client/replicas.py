@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -55,6 +56,10 @@ class Endpoint:
     failures: int = 0  # consecutive failures (drives the probe backoff)
     next_probe: float = 0.0  # monotonic time of the next Describe
     stream: ForwardStream | None = None  # the multiplexed ForwardStream, opened on first use
+    dataplane: Any = None  # the same-host transport's channel (client/shm.py), when leased
+    dataplane_for: str = ""  # the instance_id the data plane was last decided for
+    dataplane_why: str = ""  # why this replica is on gRPC (when it is)
+    last_timing: Any = None  # the shard's Timing of the last call it answered
 
 
 @dataclass(slots=True)
@@ -113,9 +118,19 @@ class Pool:
                 "outstanding": ep.outstanding,
                 "calls": ep.calls,
                 "instance_id": ep.info.instance_id if ep.info else "",
+                "transport": ep.dataplane.name if ep.dataplane is not None else "grpc",
+                "transport_why": ep.dataplane_why,
+                "slots": ep.dataplane.size if ep.dataplane is not None else 0,
+                "last_timing": _timing_dict(ep.last_timing),
             }
             for a, ep in self.endpoints.items()
         }
+
+
+def _timing_dict(timing) -> dict:
+    if timing is None or isinstance(timing, dict):
+        return timing or {}
+    return {f.name: getattr(timing, f.name) for f in pb.Timing.DESCRIPTOR.fields}
 
 
 def _same(a: pb.DescribeResponse, b: pb.DescribeResponse) -> bool:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 import torch
 
 from expertd.aioloop import shared_loop
-from expertd.client.aio import AsyncExpertClient
+from expertd.client.aio import AsyncExpertClient, Fallback
 from expertd.client.core import to_caller
 from expertd.client.routing import Topology
 
@@ -37,7 +37,8 @@ class ExpertClient:
 
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
         token, tls, max_attempts, retry_backoff, refresh_s, transport,
-        attempt_share, busy_retries, busy_backoff)."""
+        attempt_share, busy_retries, busy_backoff). transport "auto" (the default)
+        picks shared memory for each shard on this host, see docs/dataplane.md."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
         self._loop = shared_loop("expertd-client")
@@ -108,8 +109,22 @@ class ExpertClient:
     def forward(self, layer: int, hidden_states, topk_ids, topk_weights, **kwargs) -> torch.Tensor:
         """-> bf16 [M, H] on hidden_states' device: the layer's expert output.
 
-        kwargs: timeout (s), metadata, request_id (sent as x-request-id), token."""
-        return self.submit(layer, hidden_states, topk_ids, topk_weights, **kwargs).result()
+        kwargs: timeout (s), metadata, request_id (sent as x-request-id), token.
+
+        With shared-memory slots leased from every shard (same host, docs/dataplane.md)
+        the call runs on this thread: write the slots, ring them all, wait for all, sum.
+        Anything else (a shard on gRPC, a failed attempt that another replica may take
+        over, every slot busy) runs on the client's event loop, as `submit` does."""
+        self._check_open()
+        client = self._client
+        if not client.direct_ready():
+            return self.submit(layer, hidden_states, topk_ids, topk_weights, **kwargs).result()
+        inputs, deadline, md = client.prepare(hidden_states, topk_ids, topk_weights, **kwargs)
+        try:
+            out = client.execute_direct(layer, inputs, deadline, md)
+        except Fallback:
+            out = self._run(client.execute(layer, inputs, deadline, md))
+        return to_caller(out, inputs)
 
     def close(self) -> None:
         """Close the channels (calls still in flight fail); the shared loop keeps running."""

@@ -26,10 +26,12 @@ requests that arrive meanwhile wait in gRPC's queue and form the next batch.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -40,6 +42,8 @@ from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
+
+SENT = b""  # a Job's result when its sink took the answer
 
 # Batches of up to this many tokens run on the event loop when nothing else is in
 # flight on the GPU (see above); 0 turns that off.
@@ -61,6 +65,10 @@ class Job:
     received_ns: int  # time.perf_counter_ns() at arrival
     future: asyncio.Future
     request_id: int = 0  # echoed in the response
+    # Where the answer goes instead of a response message: a shared-memory slot
+    # (server/slots.py) that takes the output rows and the timing on the finisher's
+    # thread and wakes its client there; the future then gets SENT.
+    sink: Any = None
     tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +102,9 @@ class Batcher:
         # Waits for batches on the device and writes their responses, while the compute
         # thread launches the next batch (only used when the runner overlaps batches).
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-finish")
+        # Held while a batch is being launched, and for the whole of a direct run (below):
+        # a direct run takes a runner slot only when one is free and nothing else launches.
+        self._gate = threading.Lock()
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -125,6 +136,31 @@ class Batcher:
         self._queued_tokens += job.tokens
         self.metrics.queued_tokens.set(self._queued_tokens)
         self._wake.set()
+
+    def run_direct(self, job: Job) -> bool:
+        """Run `job` on the calling thread now, if the batcher is idle: nothing queued,
+        nothing computing, a runner slot free, no launch under way. -> False (nothing
+        done) otherwise: the caller queues it with `submit` on the event loop.
+
+        For calls arriving on a thread of their own (a shared-memory slot's waiter,
+        server/slots.py): a lone call then costs no hand-off to the event loop and on
+        to the compute thread (two thread wake-ups), and a call arriving meanwhile
+        finds the gate taken and is queued, where it batches with others as usual.
+        The job's sink takes the answer; an error is raised to the caller."""
+        if self._queue or self.computing or not self._gate.acquire(blocking=False):
+            return False
+        try:
+            if self._queue or self.computing or self.runner.free_slots < 1:
+                return False
+            if job.deadline is not None and time.monotonic() >= job.deadline:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+            started = time.perf_counter_ns()
+            result = self._finish([job], self._start([job]), started)[0]
+        finally:
+            self._gate.release()
+        if isinstance(result, Exception):
+            raise result
+        return True
 
     # -- the loop ------------------------------------------------------------------
 
@@ -229,7 +265,9 @@ class Batcher:
         """Launch, wait, answer on this thread; the slot is free again on return."""
         started = time.perf_counter_ns()
         try:
-            results = self._finish(jobs, self._start(jobs), started)
+            with self._gate:
+                flight = self._start(jobs)
+            results = self._finish(jobs, flight, started)
         except Exception as e:  # a bug or a device fault: every caller of the batch hears it
             results = [e] * len(jobs)
         finally:
@@ -250,7 +288,8 @@ class Batcher:
         The queue is read without the event loop's lock: a request that arrives just
         after the check waits for this batch, as with one slot."""
         started = time.perf_counter_ns()
-        flight = self._start(jobs)
+        with self._gate:
+            flight = self._start(jobs)
         if flight.done or self.runner.depth == 1 or not self._queue:
             done: Future = Future()
             try:
@@ -296,6 +335,11 @@ class Batcher:
                         batch_tokens=batch_tokens,
                     )
                     payload = result.out_bytes[row : row + rows]  # copied once, into the bytes
+                    if job.sink is not None:  # into the client's slot, and ring it
+                        job.sink.write_output(payload, _timing_fields(timing))
+                        results.append(SENT)
+                        row += rows
+                        continue
                     shape = (rows, self.runner.hidden)
                     results.append(
                         encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
@@ -312,6 +356,18 @@ class Batcher:
         for job in jobs:
             m.queue_seconds.observe((started - job.received_ns) / 1e9)
         return results
+
+
+def _timing_fields(timing: pb.Timing) -> dict:
+    return {
+        "queue_us": timing.queue_us,
+        "compute_us": timing.compute_us,
+        "total_us": timing.total_us,
+        "stage_us": timing.stage_us,
+        "device_us": timing.device_us,
+        "batch_requests": timing.batch_requests,
+        "batch_tokens": timing.batch_tokens,
+    }
 
 
 def _settle(jobs: list[Job], results: list) -> None:

@@ -76,6 +76,18 @@ class Metrics:
         self.resident_bytes = Gauge(
             "expertd_resident_weight_bytes", "Expert weights resident on the device", registry=r
         )
+        self.dataplane_leases = Gauge(
+            "expertd_dataplane_leases",
+            "Same-host data plane leases held by clients, by transport",
+            ["transport"],
+            registry=r,
+        )
+        self.dataplane_slots = Gauge(
+            "expertd_dataplane_slots",
+            "Same-host data plane slots held by clients, by transport",
+            ["transport"],
+            registry=r,
+        )
         self._memory = _DeviceMemory(None)
         r.register(self._memory)
 

@@ -177,6 +177,11 @@ class BatchRunner:
             self._compute = torch.cuda.Stream(self.device)
             self._download = torch.cuda.Stream(self.device)
 
+    @property
+    def free_slots(self) -> int:
+        """Slots not holding a batch now (any thread)."""
+        return self._slots.free
+
     def warmup(self) -> None:
         """Before SERVING: capture the CUDA graphs (which also builds and loads the
         kernels), then run one tiny batch per layer and slot through the serving

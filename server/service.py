@@ -18,6 +18,8 @@ import grpc
 import torch
 
 import expertd
+from expertd import dataplane as dp
+from expertd.server import slots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
@@ -97,6 +99,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._instance = uuid.uuid4().hex  # new for every process start
         self._overload_logged = 0.0  # monotonic time of the last overload log line
         self._overload_quiet = 0  # overload refusals since then, not logged
+        # The same-host data plane (server/slots.py); None where this OS has none.
+        self.slots: slots.SlotRegistry | None = (
+            slots.SlotRegistry(self, self._instance) if dp.available() else None
+        )
 
     @property
     def draining(self) -> bool:
@@ -128,10 +134,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.metrics.watch_device(bank.backend.device)
 
     async def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
         if self.batcher is not None:
             await self.batcher.stop()
         self._compute.shutdown(wait=True)
         self._prep.shutdown(wait=True)
+
+    def admit(self) -> ExpertBank:
+        """The bank, if a call may be admitted now (any thread); RequestError if not."""
+        return self._admit()
 
     def _admit(self) -> ExpertBank:
         if self.draining:
@@ -171,6 +183,38 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         finally:
             self._inflight -= 1
             self.metrics.inflight.set(self._inflight)
+
+    # -- calls arriving through a shared-memory slot (server/slots.py) -----------------
+
+    def submit_threadsafe(self, job: Job) -> None:
+        """Queue a checked slot call (job.sink: its slot) from the slot's waiter thread."""
+        self._loop.call_soon_threadsafe(self._submit_slot, job)
+
+    def _submit_slot(self, job: Job) -> None:
+        """On the event loop: admitted and queued like a Forward; the answer goes
+        straight into the slot (Job.sink), errors through the job's future."""
+        slot = job.sink
+        try:
+            self._admit()
+            self._inflight += 1
+            self.metrics.inflight.set(self._inflight)
+            job.future = self._loop.create_future()
+            slots.answer_later(job.future, slot, self)
+        except RequestError as e:
+            self.count_slot(e.code)
+            slot.write_error(e.code, e.message)
+            return
+        try:
+            self.batcher.submit(job)
+        except RequestError as e:
+            job.future.set_exception(e)
+
+    def release_inflight(self) -> None:
+        self._inflight -= 1
+        self.metrics.inflight.set(self._inflight)
+
+    def count_slot(self, code: grpc.StatusCode) -> None:
+        self._count("Slot", code)
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.requests.labels(method, code.name).inc()
@@ -277,6 +321,36 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             for task in list(tasks):
                 task.cancel()
 
+    async def RegisterSlots(self, request, context):
+        if self.slots is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this server offers no same-host data plane"
+            )
+        if self.bank is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        try:
+            token, lease_id, layout = self.slots.book(
+                request.transport,
+                request.slots,
+                request.max_tokens,
+                request.top_k,
+                self.bank.info.hidden_size,
+            )
+        except RequestError as e:
+            self._count("RegisterSlots", e.code)
+            await context.abort(e.code, e.message)
+        self._count("RegisterSlots", grpc.StatusCode.OK)
+        return pb.RegisterSlotsResponse(
+            socket_name=self.slots.name,
+            token=token,
+            lease_id=lease_id,
+            layout=layout.to_proto(pb),
+            instance_id=self._instance,
+            slots=request.slots or 1,
+        )
+
     async def Describe(self, request, context):
         if self.bank is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
@@ -305,4 +379,5 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             max_message_bytes=self.limits.max_message_bytes(info.hidden_size),
             shard_index=self._shard[0],
             num_shards=self._shard[1],
+            dataplanes=[dp.SHM] if self.slots is not None else [],
         )

@@ -71,6 +71,25 @@ def parse_forward(
     x = _tensor(req, "hidden_states", (pb.BF16,))
     ids = _tensor(req, "topk_ids", (pb.INT32, pb.INT64))
     w = _tensor(req, "topk_weights", (pb.FP32, pb.BF16))
+    return check_forward(req.layer, x, ids, w, info, limits, lambda _layer: True)
+
+
+def check_forward(
+    layer: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    info: ModelInfo,
+    limits,
+    has_layer,
+) -> ForwardArgs:
+    """Check one call's tensors (however they arrived: a message, a shared-memory slot)
+    against the served model; raise RequestError on any problem."""
+    if not has_layer(layer):
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"layer {layer} is not served here (layers {_ranges(info.layers)})",
+        )
     m, h = x.shape
     if m > limits.max_tokens:
         raise RequestError(
@@ -95,7 +114,7 @@ def parse_forward(
             raise invalid(f"topk_ids[{t}, {j}] = {int(a[t, j])} outside [-1, {info.num_experts})")
     # NaN/Inf are checked where the data is touched anyway: on the device after
     # the copy (CUDA) or in the batch runner (CPU); see server/runner.py.
-    return ForwardArgs(req.layer, x, ids, w)
+    return ForwardArgs(layer, x, ids, w)
 
 
 def _ranges(values) -> str:

@@ -8,6 +8,7 @@ folder goes on sys.path whichever import mode pytest runs in."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,20 @@ import torch
 from expertd.server.app import BackgroundServer
 from expertd.server.config import ServerConfig
 from expertd.server.synthetic import get_preset, synthetic_layer
+
+# EXPERTD_TEST_TRANSPORT=shm (or grpc, ...) runs every test's client on that transport
+# unless the test names one: a test-only switch, the product reads no such variable.
+_FORCED_TRANSPORT = os.environ.get("EXPERTD_TEST_TRANSPORT")
+if _FORCED_TRANSPORT:
+    from expertd.client import aio as _aio
+
+    _client_init = _aio.AsyncExpertClient.__init__
+
+    def _init_with_transport(self, addresses, **options):
+        options.setdefault("transport", _FORCED_TRANSPORT)
+        _client_init(self, addresses, **options)
+
+    _aio.AsyncExpertClient.__init__ = _init_with_transport
 
 PRESET = get_preset("small")  # H=512, I=256, E=64, top_k=8
 SEED = 7

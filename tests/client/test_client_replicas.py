@@ -176,7 +176,9 @@ def record(server: BackgroundServer, sink: list) -> None:
 def test_redundant_experts_each_route_once_and_balanced(redundant, full_layers):
     servers, placements, seen = redundant
     work = cases(6, 10, seed=4)
-    with ExpertClient([s.address for s in servers.values()], timeout=10) as client:
+    # The servers record what they are sent on the gRPC path (`record` above).
+    addresses = [s.address for s in servers.values()]
+    with ExpertClient(addresses, timeout=10, transport="grpc") as client:
         assert len(client.topology.shards) == 3
         futures = [client.submit(*c) for c in work]
         for case, fut in zip(work, futures, strict=True):

@@ -1,4 +1,4 @@
-"""The stream transport (the SDK default): calls multiplexed over one
+"""The stream transport (the SDK's gRPC path): calls multiplexed over one
 ForwardStream per replica; credentials, drain and failover behave as on unary."""
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def count(server, method: str) -> float:
     return value or 0.0
 
 
-def test_stream_is_the_default_and_matches_reference(bank_all, full_layers):
+def test_stream_is_the_grpc_default_and_matches_reference(bank_all, full_layers):
     with BackgroundServer(shard_config(0, **ALL), bank=bank_all) as server:
-        with ExpertClient([server.address]) as client:
+        with ExpertClient([server.address], transport="grpc") as client:
             gen = torch.Generator().manual_seed(0)
             for m in (1, 5, 300):
                 x = hidden(m, gen)
@@ -49,7 +49,7 @@ def test_stream_carries_the_token(bank_all):
         gen = torch.Generator().manual_seed(1)
         x = hidden(3, gen)
         ids, w = routing(3, gen)
-        with ExpertClient([server.address], token="tok") as client:
+        with ExpertClient([server.address], token="tok", transport="grpc") as client:
             assert client.forward(0, x, ids, w).shape == (3, 512)
         assert count(server, "ForwardStream") == 1
         with pytest.raises(CoverageError, match="UNAUTHENTICATED"):

@@ -23,7 +23,7 @@ from conftest import SEED, hidden, routing
 from prometheus_client.parser import text_string_to_metric_families
 
 from expertd.client import AsyncExpertClient, ShardCallError
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 
 pytestmark = pytest.mark.slow
 

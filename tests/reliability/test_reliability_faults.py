@@ -2,7 +2,8 @@
 slowed, stalled (a shard slower than any deadline). With replicas every result
 must still be right; without, every failing call ends within its deadline with
 an error naming the shard's address and experts, no result is ever wrong, and
-calls succeed again once the link heals."""
+calls succeed again once the link heals. The clients use gRPC for their data too
+(GRPC below): on the same-host data plane the tensors would bypass the proxy."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from expertd.kernels import relative_error
 from expertd.server.app import BackgroundServer
 from expertd.server.bank import ExpertBank
 
+GRPC = dict(transport="grpc")  # the links under test carry the tensors
 SLACK_S = 1.0  # a failed call may overrun its deadline by this much (2-core CI, GIL)
 
 
@@ -65,7 +67,7 @@ def test_replicas_survive_resets_and_slow_links_under_load(replicated, cases):
             proxy["a"].heal()
             proxy["b"].heal()
 
-    tally, seconds = run_load(addresses, cases, 7.0, threads=12, tasks=12, during=faults)
+    tally, seconds = run_load(addresses, cases, 7.0, threads=12, tasks=12, during=faults, **GRPC)
     print(f"\nresets + slow links, replicas: {tally.summary(seconds)}")
     assert_clean(tally)
 
@@ -90,7 +92,7 @@ def stalled(replicated, cases):
     try:
         during = after_start(proxy["a"].stall)
         tally, seconds = run_load(
-            addresses, cases, 5.0, threads=8, tasks=8, during=during, timeout=1.5
+            addresses, cases, 5.0, threads=8, tasks=8, during=during, timeout=1.5, **GRPC
         )
     finally:
         proxy["a"].heal()
@@ -117,7 +119,7 @@ def test_no_replica_clear_errors_within_deadline_then_recovery(cluster, cases):
         ):
             during = after_start(fault)
             tally, seconds = run_load(
-                addresses, cases, 3.5, threads=6, tasks=6, during=during, timeout=timeout
+                addresses, cases, 3.5, threads=6, tasks=6, during=during, timeout=timeout, **GRPC
             )
             proxy.heal()
             print(f"\n{name}, no replica: {tally.summary(seconds)}")
@@ -125,14 +127,14 @@ def test_no_replica_clear_errors_within_deadline_then_recovery(cluster, cases):
             bounded_failures(tally, timeout, proxy.address)
             assert_recovers(addresses, cases)
         during = after_start(lambda: proxy.slow(0.02))  # within the deadline: time, not results
-        tally, seconds = run_load(addresses, cases, 2.5, threads=6, tasks=6, during=during)
+        tally, seconds = run_load(addresses, cases, 2.5, threads=6, tasks=6, during=during, **GRPC)
         print(f"\nslow 20 ms per chunk, no replica: {tally.summary(seconds)}")
         assert_clean(tally)
 
 
 def assert_recovers(addresses, cases, within: float = 10.0) -> None:
     """Once the link heals, calls succeed again (probes bring the shard back)."""
-    with ExpertClient(addresses, timeout=2) as client:
+    with ExpertClient(addresses, timeout=2, **GRPC) as client:
         deadline = time.monotonic() + within
         for case in cases[:8]:
             while True:

@@ -97,7 +97,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "hidden_size", "intermediate_size", "num_experts", "top_k", "layers", "experts", "weight_dtype", "activation_dtype", "output_dtype", "model", "instance_id", "max_tokens_per_request", "max_message_bytes", "shard_index", "num_shards")
+    __slots__ = ("version", "backend", "device", "hidden_size", "intermediate_size", "num_experts", "top_k", "layers", "experts", "weight_dtype", "activation_dtype", "output_dtype", "model", "instance_id", "max_tokens_per_request", "max_message_bytes", "shard_index", "num_shards", "dataplanes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class DescribeResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANES_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -134,4 +135,69 @@ class DescribeResponse(_message.Message):
     max_message_bytes: int
     shard_index: int
     num_shards: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., weight_dtype: _Optional[str] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    dataplanes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., weight_dtype: _Optional[str] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., dataplanes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CudaBuffer(_message.Message):
+    __slots__ = ("ipc_handle", "byte_size", "device_uuid")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    byte_size: int
+    device_uuid: str
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., byte_size: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class RegisterSlotsRequest(_message.Message):
+    __slots__ = ("transport", "slots", "max_tokens", "top_k", "cuda_buffers")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CUDA_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    slots: int
+    max_tokens: int
+    top_k: int
+    cuda_buffers: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
+    def __init__(self, transport: _Optional[str] = ..., slots: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., cuda_buffers: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
+
+class SlotLayout(_message.Message):
+    __slots__ = ("control_offset", "control_bytes", "x_offset", "ids_offset", "weights_offset", "out_offset", "byte_size", "max_tokens", "top_k", "hidden_size")
+    CONTROL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    X_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IDS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    OUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    control_offset: int
+    control_bytes: int
+    x_offset: int
+    ids_offset: int
+    weights_offset: int
+    out_offset: int
+    byte_size: int
+    max_tokens: int
+    top_k: int
+    hidden_size: int
+    def __init__(self, control_offset: _Optional[int] = ..., control_bytes: _Optional[int] = ..., x_offset: _Optional[int] = ..., ids_offset: _Optional[int] = ..., weights_offset: _Optional[int] = ..., out_offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+
+class RegisterSlotsResponse(_message.Message):
+    __slots__ = ("socket_name", "token", "lease_id", "layout", "instance_id", "slots")
+    SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    socket_name: str
+    token: bytes
+    lease_id: str
+    layout: SlotLayout
+    instance_id: str
+    slots: int
+    def __init__(self, socket_name: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[SlotLayout, _Mapping]] = ..., instance_id: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...

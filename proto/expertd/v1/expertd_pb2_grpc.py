@@ -49,6 +49,11 @@ class ExpertServiceStub:
                 request_serializer=expertd_dot_v1_dot_expertd__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=expertd_dot_v1_dot_expertd__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.RegisterSlots = channel.unary_unary(
+                '/expertd.v1.ExpertService/RegisterSlots',
+                request_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -77,6 +82,17 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSlots(self, request, context):
+        """Same-host data plane (docs/dataplane.md): lease slots of shared memory that
+        carry a caller's tensors instead of Forward messages. The reply names a
+        unix socket (abstract namespace) and a one-time token; the caller connects,
+        presents the token and receives the slots' memory as file descriptors.
+        The connection is the lease: when it closes, the slots are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +110,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=expertd_dot_v1_dot_expertd__pb2.DescribeRequest.FromString,
                     response_serializer=expertd_dot_v1_dot_expertd__pb2.DescribeResponse.SerializeToString,
+            ),
+            'RegisterSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSlots,
+                    request_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +198,33 @@ class ExpertService:
             '/expertd.v1.ExpertService/Describe',
             expertd_dot_v1_dot_expertd__pb2.DescribeRequest.SerializeToString,
             expertd_dot_v1_dot_expertd__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertd.v1.ExpertService/RegisterSlots',
+            expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
+            expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

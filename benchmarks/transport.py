@@ -1,0 +1,415 @@
+"""Transport benchmark (../shared/PERF.md, "The service"; docs/dataplane.md): the real
+client against real shard processes, per transport, next to what the shards computed.
+
+    python benchmarks/transport.py [--device cuda] [--preset small] [--ms 1,16,256,4096]
+                                   [--reps 200] [--out DIR]
+
+For each M, each transport (grpc: the ForwardStream path; shm: shared-memory slots;
+cuda-ipc where the client's tensors are on a GPU and the shard offers it) and 1 shard
+(one process holding every expert) or 8 shards (8 processes): the client's end-to-end
+`ExpertClient.forward` time (p50, p99) next to the busiest shard's forward (the
+server's Timing.compute_us of that call: staging, copies, kernels) and the sum of the
+shards' forwards; overhead = e2e - busiest forward, per call. In the same run, the
+floors: a raw TCP echo round trip of the call's bytes (request out, partial back)
+between two processes, a grpc.aio stream echo of the same bytes, a futex doorbell
+round trip through shared memory between two processes, and (CUDA) a device-to-device
+copy of the same bytes. Prints a table last; writes JSON + PNG only with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import datetime as dt
+import json
+import mmap
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from expertd import dataplane as dp
+from expertd.client import ExpertClient, shm
+from expertd.launcher import start_shard, stop_shards, wait_serving
+from expertd.server.synthetic import get_preset
+
+OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+# -- floors ------------------------------------------------------------------------------
+
+
+def _tcp_echo_server(port_q, reply_size: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reply = bytes(reply_size)
+    buf = bytearray(1 << 20)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        need = int.from_bytes(head, "little")
+        while need:
+            n = conn.recv_into(buf, min(need, len(buf)))
+            if not n:
+                return
+            need -= n
+        conn.sendall(reply)
+
+
+def tcp_echo_us(request: int, reply: int, reps: int) -> list[float]:
+    """Round trips of `request` bytes out, `reply` bytes back, over loopback TCP."""
+    q = mp.get_context("fork").Queue()
+    proc = mp.get_context("fork").Process(target=_tcp_echo_server, args=(q, reply), daemon=True)
+    proc.start()
+    port = q.get(timeout=30)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = request.to_bytes(8, "little") + bytes(request)
+    back = bytearray(max(reply, 1))
+    times = []
+    for i in range(reps + 20):
+        t0 = time.perf_counter()
+        sock.sendall(payload)
+        got = 0
+        while got < reply:
+            got += sock.recv_into(memoryview(back)[got:], reply - got)
+        if i >= 20:
+            times.append((time.perf_counter() - t0) * 1e6)
+    sock.close()
+    proc.join(5)
+    return times
+
+
+def _grpc_echo_server(port_q, reply_size: int) -> None:
+    async def main() -> None:
+        reply = bytes(reply_size)
+
+        async def echo(requests, context):
+            async for _ in requests:
+                yield reply
+
+        server = grpc.aio.server(options=OPTIONS)
+        handler = grpc.stream_stream_rpc_method_handler(
+            echo, request_deserializer=bytes, response_serializer=bytes
+        )
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("floor.Echo", {"Stream": handler})]
+        )
+        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def grpc_echo_us(request: int, reply: int, reps: int) -> list[float]:
+    """Round trips on one grpc.aio bidirectional stream (client and server grpc.aio)."""
+    q = mp.get_context("fork").Queue()
+    proc = mp.get_context("fork").Process(target=_grpc_echo_server, args=(q, reply), daemon=True)
+    proc.start()
+    port = q.get(timeout=30)
+
+    async def run() -> list[float]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as ch:
+            call = ch.stream_stream(
+                "/floor.Echo/Stream", request_serializer=bytes, response_deserializer=bytes
+            )()
+            payload = bytes(request)
+            times = []
+            for i in range(reps + 20):
+                t0 = time.perf_counter()
+                await call.write(payload)
+                await call.read()
+                if i >= 20:
+                    times.append((time.perf_counter() - t0) * 1e6)
+            await call.done_writing()
+            return times
+
+    try:
+        return asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+def _doorbell_peer(fd: int) -> None:
+    mm = mmap.mmap(fd, dp.CONTROL_BYTES)
+    ctl = dp.Control.from_buffer(mm)
+    base = ctypes.addressof(ctl)
+    req, resp = base + dp.Control.req_seq.offset, base + dp.Control.resp_seq.offset
+    last = 0
+    while True:
+        # the shard's side: no spin, FUTEX_WAIT (server/slots.py WAIT_SPIN_S)
+        dp.wait_word(ctl, "req_seq", req, last, time.monotonic() + 1.0, 0.0)
+        last = ctl.req_seq
+        if last == 0xFFFFFFFF:
+            return
+        ctl.resp_seq = last
+        dp.futex_wake(resp)
+
+
+def doorbell_us(reps: int, spin_s: float) -> list[float]:
+    """Ring a peer process through a shared control block and wait for its answer."""
+    fd = dp.sealed_memfd("doorbell", dp.CONTROL_BYTES)
+    proc = mp.get_context("fork").Process(target=_doorbell_peer, args=(fd,), daemon=True)
+    proc.start()
+    mm = mmap.mmap(fd, dp.CONTROL_BYTES)
+    ctl = dp.Control.from_buffer(mm)
+    base = ctypes.addressof(ctl)
+    req, resp = base + dp.Control.req_seq.offset, base + dp.Control.resp_seq.offset
+    times = []
+    for i in range(1, reps + 21):
+        t0 = time.perf_counter()
+        ctl.req_seq = i
+        dp.futex_wake(req)
+        while ctl.resp_seq != i:
+            dp.wait_word(ctl, "resp_seq", resp, i - 1, time.monotonic() + 1.0, spin_s)
+        if i > 20:
+            times.append((time.perf_counter() - t0) * 1e6)
+    ctl.req_seq = 0xFFFFFFFF
+    dp.futex_wake(req)
+    proc.join(5)
+    del ctl
+    mm.close()
+    os.close(fd)
+    return times
+
+
+def d2d_us(nbytes: int, reps: int) -> list[float]:
+    if not torch.cuda.is_available():
+        return []
+    a = torch.empty(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for i in range(reps + 10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        if i >= 10:
+            times.append(s.elapsed_time(e) * 1e3)
+    return times
+
+
+# -- the service -------------------------------------------------------------------------
+
+
+def routing(m: int, preset, gen):
+    logits = torch.randn((m, preset.num_experts), generator=gen)
+    top = logits.topk(preset.top_k, dim=1)
+    return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
+
+
+def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dict:
+    gen = torch.Generator().manual_seed(m)
+    inputs = []
+    for _ in range(4):
+        x = torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
+        ids, w = routing(m, preset, gen)
+        inputs.append((x.to(device), ids.to(device), w.to(device)))
+    endpoints = list(client._client._pool.endpoints.values())  # the shards' Timing per call
+    for i in range(max(5, reps // 10)):
+        client.forward(0, *inputs[i % 4])
+    e2e, busiest, total, overhead = [], [], [], []
+    for i in range(reps):
+        for ep in endpoints:
+            ep.last_timing = None
+        t0 = time.perf_counter()
+        out = client.forward(0, *inputs[i % 4])
+        if out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        t = (time.perf_counter() - t0) * 1e6
+        fwd = [_compute_us(ep.last_timing) for ep in endpoints if ep.last_timing is not None]
+        e2e.append(t)
+        busiest.append(max(fwd, default=0.0))
+        total.append(sum(fwd))
+        overhead.append(t - busiest[-1])
+    stats = client.stats()
+    return {
+        "M": m,
+        "e2e_p50_us": pct(e2e, 0.5),
+        "e2e_p99_us": pct(e2e, 0.99),
+        "busiest_forward_p50_us": pct(busiest, 0.5),
+        "sum_forward_p50_us": pct(total, 0.5),
+        "overhead_p50_us": pct(overhead, 0.5),
+        "overhead_p99_us": pct(overhead, 0.99),
+        "transports": sorted({s["transport"] for s in stats.values()}),
+    }
+
+
+def _compute_us(timing) -> float:
+    if isinstance(timing, dict):
+        return float(timing["compute_us"])
+    return float(timing.compute_us)
+
+
+def request_bytes(preset, m: int) -> tuple[int, int]:
+    """A call's bytes: x + ids + weights out, the partial back."""
+    h, k = preset.hidden_size, preset.top_k
+    return m * (2 * h + 8 * k), 2 * m * h
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write JSON + PNG here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--ms", default="1,16,256,4096")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--shards", default="1,8")
+    ap.add_argument("--transports", default=None, help="default: grpc,shm (+cuda-ipc on CUDA)")
+    ap.add_argument("--kind", default="nvidia-h200" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    preset = get_preset(args.preset or ("muse-spark" if args.device == "cuda" else "small"))
+    ms = [int(m) for m in args.ms.split(",")]
+    shard_counts = [int(s) for s in args.shards.split(",")]
+    transports = (args.transports or "grpc,shm").split(",")
+    client_device = args.device
+    common = [
+        "--synthetic",
+        preset.name,
+        "--layers",
+        "1",
+        "--device",
+        args.device,
+        "--log-level",
+        "WARNING",
+        "--torch-threads",
+        "1",
+        "--max-tokens",
+        str(max(4096, max(ms))),
+    ]
+
+    floors = []
+    bell = doorbell_us(max(args.reps, 500), shm.SPIN_S)
+    for m in ms:
+        out_b, back_b = request_bytes(preset, m)
+        tcp = tcp_echo_us(out_b, back_b, args.reps)
+        echo = grpc_echo_us(out_b, back_b, args.reps)
+        d2d = d2d_us(out_b + back_b, args.reps)
+        floors.append(
+            {
+                "M": m,
+                "bytes_out": out_b,
+                "bytes_back": back_b,
+                "tcp_echo_p50_us": pct(tcp, 0.5),
+                "grpc_stream_echo_p50_us": pct(echo, 0.5),
+                "shm_doorbell_p50_us": pct(bell, 0.5),
+                "d2d_copy_p50_us": pct(d2d, 0.5) if d2d else None,
+            }
+        )
+        print(json.dumps(floors[-1]), flush=True)
+
+    rows = []
+    for n in shard_counts:
+        procs = [
+            start_shard([*common, "--shard", str(s), "--num-shards", str(n)]) for s in range(n)
+        ]
+        try:
+            wait_serving(procs, timeout=900)
+            addresses = [p.address for p in procs]
+            for transport in transports:
+                with ExpertClient(addresses, transport=transport) as client:
+                    for m in ms:
+                        row = {"shards": n, "transport": transport}
+                        row.update(measure(client, preset, m, args.reps, client_device))
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+        finally:
+            stop_shards(procs)
+
+    result = {
+        "date": dt.date.today().isoformat(),
+        "kind": args.kind,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "cpus": os.cpu_count(),
+        "preset": preset.name,
+        "python": f"{sys.version.split()[0]}, grpcio {grpc.__version__}",
+        "reps": args.reps,
+        "floors": floors,
+        "rows": rows,
+    }
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"transport-{args.kind}-{result['date']}"
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        plot(result, out / f"{stem}.png")
+    print_table(result)
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for n in sorted({r["shards"] for r in result["rows"]}):
+        for t in sorted({r["transport"] for r in result["rows"]}):
+            pts = [r for r in result["rows"] if r["shards"] == n and r["transport"] == t]
+            if pts:
+                ax.plot(
+                    [r["M"] for r in pts], [r["e2e_p50_us"] for r in pts], "o-", label=f"{t}, {n}"
+                )
+    fl = result["floors"]
+    ax.plot([f["M"] for f in fl], [f["tcp_echo_p50_us"] for f in fl], "k--", label="TCP echo")
+    ax.plot([f["M"] for f in fl], [f["shm_doorbell_p50_us"] for f in fl], "k:", label="doorbell")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("e2e p50 (us)")
+    ax.set_title(f"expertd transports, {result['preset']}, {result['kind']}")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def print_table(result: dict) -> None:
+    print(
+        f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}), p50 us:"
+        f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'d2d':>7}"
+    )
+    for f in result["floors"]:
+        d2d = f"{f['d2d_copy_p50_us']:7.1f}" if f["d2d_copy_p50_us"] is not None else "      -"
+        print(
+            f"{f['M']:>6} {f['tcp_echo_p50_us']:9.0f} {f['grpc_stream_echo_p50_us']:10.0f} "
+            f"{f['shm_doorbell_p50_us']:9.1f} {d2d}"
+        )
+    tcp = {f["M"]: f["tcp_echo_p50_us"] for f in result["floors"]}
+    print(
+        f"\nservice ({result['preset']}), us:\n{'shards':>6} {'transport':>9} {'M':>6} "
+        f"{'e2e p50':>8} {'e2e p99':>8} {'fwd max':>8} {'fwd sum':>8} {'ovh p50':>8} "
+        f"{'ovh/TCP':>7}"
+    )
+    for r in result["rows"]:
+        print(
+            f"{r['shards']:>6} {r['transport']:>9} {r['M']:>6} {r['e2e_p50_us']:8.0f} "
+            f"{r['e2e_p99_us']:8.0f} {r['busiest_forward_p50_us']:8.0f} "
+            f"{r['sum_forward_p50_us']:8.0f} {r['overhead_p50_us']:8.0f} "
+            f"{r['overhead_p50_us'] / tcp[r['M']]:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

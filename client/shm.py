@@ -1,0 +1,382 @@
+"""The client's side of the same-host data plane (`shm`): slots leased from one shard
+replica, filled and rung from the caller's thread or the event loop.
+
+A lease (expertd/dataplane.py, docs/dataplane.md): RegisterSlots over gRPC (with the
+client's credentials) names the shard's abstract unix socket and a one-time token;
+the client connects, presents the token, receives the slots' memfds, maps them,
+writes a nonce into each slot's control block and sends the nonces back; READY
+means the shard reads the same memory. The socket stays open for the lease's
+life: closing it (or this process dying) frees the slots on the shard, and its
+end (the shard stopped or died) fails the calls in flight at once, with
+UNAVAILABLE, so the caller fails over as on the gRPC path.
+
+A call: the routed rows go straight from the caller's tensors into the slot's input
+regions (one gather), the header, req_seq + 1, FUTEX_WAKE. The answer is waited for
+either on the calling thread (spin briefly, then FUTEX_WAIT with the GIL released)
+or, on an event loop, by asking the shard to also send DONE on the socket, which the
+loop watches. The partial is read where it lies (a view of the output region) until
+the caller releases the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from expertd import dataplane as dp
+from expertd.client.stream import StreamCallError
+
+# The caller's wait: spin this long on resp_seq before sleeping in FUTEX_WAIT. A forward
+# takes tens of microseconds at least; spinning for about that long saves the wake-up of
+# a sleeping thread (several microseconds, more on a busy machine) without holding a core.
+SPIN_S = 30e-6
+EOF_CHECK_S = 0.02  # while sleeping, how often the lease socket is checked for its end
+MAX_SLOTS = 8  # slots per replica: calls beyond this many at once use gRPC
+SLOTS_PER_LEASE = 2
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LeaseError(Exception):
+    """The data plane could not be set up with a replica (not on this host, refused...)."""
+
+
+class Slot:
+    """One slot as this process maps it."""
+
+    def __init__(self, lease: Lease, index: int, fd: int, layout: dp.Layout) -> None:
+        self.lease = lease
+        self.index = index
+        self.layout = layout
+        self.mm = mmap.mmap(fd, layout.byte_size)
+        self.ctl = dp.Control.from_buffer(self.mm)
+        base = ctypes.addressof(self.ctl)
+        self.req_addr = base + dp.Control.req_seq.offset
+        self.resp_addr = base + dp.Control.resp_seq.offset
+        h, k, mmax = layout.hidden, layout.top_k, layout.max_tokens
+        buf = np.frombuffer(self.mm, np.uint8)
+        self.x = buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.uint16)
+        self.ids = buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)
+        self.w = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(np.float32)
+        self.out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h].view(np.uint16)
+        self.seq = 0
+        self.rows = 0  # rows of the call in flight / last answered
+        self.channel: ShmChannel | None = None
+        self.held = False  # taken by a call (its answer may still be read)
+
+    def release(self) -> None:
+        """Back to its channel's free slots (taken again only once idle); unmapped
+        instead when its lease has ended meanwhile."""
+        self.held = False
+        if self.lease.closed:
+            self.unmap()
+        elif self.channel is not None:
+            self.channel.release(self)
+
+    def idle(self) -> bool:
+        """The shard has answered everything rung (a call abandoned at its deadline
+        keeps the slot out of use until then)."""
+        return self.ctl.resp_seq == self.ctl.req_seq
+
+    def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
+        """Write one call's rows and header; ring. x_bits: uint16 [M, H] (the call's
+        rows), tokens: the rows of it to send (None: all, in order), ids/w: [m, k]."""
+        m, k = ids.shape
+        lay = self.layout
+        if m > lay.max_tokens or (m and k > lay.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
+            )
+        h = lay.hidden
+        if m:
+            dst = self.x[: m * h].reshape(m, h)
+            if tokens is None:
+                dst[:] = x_bits
+            else:
+                np.take(x_bits, tokens, axis=0, out=dst)
+            self.ids[: m * k] = ids.reshape(-1)
+            self.w[: m * k] = w.reshape(-1)
+        ctl = self.ctl
+        ctl.layer = layer
+        ctl.m = m
+        ctl.k = k
+        ctl.flags = dp.FLAG_NOTIFY if notify else 0
+        ctl.timeout_us = max(int(timeout * 1e6), 1)
+        self.rows = m
+        self.seq = (ctl.req_seq + 1) & 0xFFFFFFFF
+        ctl.req_seq = self.seq  # after the data: the shard reads it only once it sees this
+        dp.futex_wake(self.req_addr)
+
+    def answered(self) -> bool:
+        return self.ctl.resp_seq == self.seq
+
+    def wait(self, deadline: float) -> bool:
+        """Block the calling thread until answered (True), the deadline (False), or
+        the lease's end (StreamCallError UNAVAILABLE)."""
+        ctl, old = self.ctl, (self.seq - 1) & 0xFFFFFFFF
+        while True:
+            now = time.monotonic()
+            until = min(deadline, now + EOF_CHECK_S)
+            if dp.wait_word(ctl, "resp_seq", self.resp_addr, old, until, SPIN_S):
+                if self.answered():
+                    return True
+                old = ctl.resp_seq  # an answer to an older, abandoned call
+                continue
+            if self.lease.check_closed():
+                raise self.lease.error()
+            if time.monotonic() >= deadline:
+                return False
+
+    def result(self) -> np.ndarray:
+        """The answer: bf16 bits uint16 [rows, H] viewing the output region; raises
+        StreamCallError with the shard's status when the call failed."""
+        ctl = self.ctl
+        if ctl.status:
+            n = min(ctl.error_len, dp.ERROR_BYTES)
+            text = bytes(self.mm[dp.ERROR_OFFSET : dp.ERROR_OFFSET + n]).decode("utf-8", "replace")
+            raise StreamCallError(_CODES.get(ctl.status, grpc.StatusCode.UNKNOWN), text)
+        rows, h = self.rows, self.layout.hidden
+        if ctl.out_rows != rows:
+            raise StreamCallError(
+                grpc.StatusCode.INTERNAL, f"shard answered {ctl.out_rows} rows, expected {rows}"
+            )
+        return self.out[: rows * h].reshape(rows, h)
+
+    def timing(self) -> dict:
+        return {name: getattr(self.ctl, name) for name in dp.TIMING_FIELDS}
+
+    def unmap(self) -> None:
+        if self.ctl is None:
+            return
+        self.x = self.ids = self.w = self.out = None
+        self.ctl = None
+        with contextlib.suppress(BufferError):  # a caller's view still alive: GC unmaps
+            self.mm.close()
+
+
+class Lease:
+    """One lease: the socket that holds it and its slots."""
+
+    def __init__(self, sock: socket.socket, lease_id: str, instance_id: str) -> None:
+        self.sock = sock
+        self.lease_id = lease_id
+        self.instance_id = instance_id
+        self.slots: list[Slot] = []
+        self.closed = False
+        self.why = ""
+        self.waiters: dict[int, tuple[int, asyncio.Future]] = {}  # slot -> (seq, future)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def check_closed(self) -> bool:
+        """Has the shard's end gone (EOF or an error on the socket)?"""
+        if self.closed:
+            return True
+        with contextlib.suppress(OSError, ValueError):
+            r, _, _ = select.select([self.sock], [], [], 0)
+            if r:
+                try:
+                    data = self.sock.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return False
+                if not data:
+                    self._ended("the shard closed the lease (stopped or restarted)")
+        return self.closed
+
+    def error(self) -> StreamCallError:
+        return StreamCallError(grpc.StatusCode.UNAVAILABLE, f"shm lease: {self.why}")
+
+    def _ended(self, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.why = why
+        for _seq, fut in self.waiters.values():
+            if not fut.done():
+                fut.get_loop().call_soon_threadsafe(_fail, fut, self.error())
+
+    # -- notifications on an event loop ---------------------------------------------------
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read DONE messages and the socket's end on `loop` (from the loop's thread)."""
+        self._loop = loop
+        self.sock.setblocking(False)
+        loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                msg = self.sock.recv(64)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                msg, why = b"", f"socket error: {e}"
+            else:
+                why = "the shard closed the lease (stopped or restarted)"
+            if not msg:
+                self._unwatch()
+                self._ended(why)
+                return
+            if msg[:1] == dp.DONE and len(msg) >= 5:
+                index = dp.unpack_u32(msg[1:5])
+                entry = self.waiters.get(index)
+                if (
+                    entry is not None
+                    and self.slots[index].ctl.resp_seq == entry[0]
+                    and not entry[1].done()
+                ):
+                    entry[1].set_result(None)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.sock.fileno())
+        self._loop = None
+
+    def close(self) -> None:
+        """End the lease: the shard frees the slots when the socket closes."""
+        self._ended("closed by the client")
+        self._unwatch()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        for slot in self.slots:
+            if not slot.held:  # a held one: when its call lets go of it (Slot.release)
+                slot.unmap()
+
+
+def _fail(fut: asyncio.Future, error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
+        fut.exception()  # its waiter may have gone: no "never retrieved" log
+
+
+class ShmChannel:
+    """Every slot this client holds with one replica; thread-safe hand-out."""
+
+    name = dp.SHM
+
+    def __init__(self, address: str, instance_id: str) -> None:
+        self.address = address
+        self.instance_id = instance_id
+        self.leases: list[Lease] = []
+        self._free: list[Slot] = []
+        self._lock = threading.Lock()
+        self.broken = ""  # why this channel is unusable (set once a lease ended)
+        self.calls = 0
+
+    @property
+    def size(self) -> int:
+        return sum(len(lease.slots) for lease in self.leases)
+
+    def acquire(self) -> Slot | None:
+        """A free slot, or None (all busy or abandoned)."""
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                slot = self._free[i]
+                if slot.lease.closed:
+                    del self._free[i]
+                elif slot.idle():
+                    slot.held = True
+                    return self._free.pop(i)
+        return None
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            if not slot.lease.closed:
+                self._free.append(slot)
+
+    def usable(self) -> bool:
+        if self.broken:
+            return False
+        for lease in self.leases:
+            if lease.closed:
+                self.broken = lease.why or "lease ended"
+                return False
+        return True
+
+    async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
+        """Lease `slots` more slots from the replica (LeaseError when it cannot be done)."""
+        from expertd.v1 import expertd_pb2 as pb
+
+        try:
+            reply = await stub.RegisterSlots(
+                pb.RegisterSlotsRequest(transport=dp.SHM, slots=slots),
+                timeout=timeout,
+                metadata=metadata,
+            )
+        except grpc.RpcError as e:
+            raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
+        if reply.instance_id != self.instance_id:
+            raise LeaseError("the replica restarted while registering")
+        lease = await asyncio.get_running_loop().run_in_executor(None, _claim, reply, timeout)
+        lease.watch(asyncio.get_running_loop())
+        for slot in lease.slots:
+            slot.channel = self
+        with self._lock:
+            self.leases.append(lease)
+            self._free.extend(lease.slots)
+
+    def close(self) -> None:
+        with self._lock:
+            leases, self.leases, self._free = self.leases, [], []
+        for lease in leases:
+            lease.close()
+
+
+def _claim(reply, timeout: float) -> Lease:
+    """The socket side of registering (blocking, off the event loop)."""
+    try:
+        layout = dp.Layout.from_proto(reply.layout)
+    except ValueError as e:
+        raise LeaseError(str(e)) from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.settimeout(min(timeout, 5.0))
+    lease = None
+    try:
+        try:
+            sock.connect(dp.abstract_address(reply.socket_name))
+        except OSError as e:  # another host, or another network namespace
+            raise LeaseError(f"the shard's unix socket is not reachable from here ({e})") from None
+        sock.send(dp.HELLO + reply.token)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 256, reply.slots + 1)
+        try:
+            if msg[:1] == dp.REFUSED:
+                raise LeaseError(f"shard refused the lease: {msg[1:].decode(errors='replace')}")
+            if msg[:1] != dp.FDS or len(fds) != reply.slots:
+                raise LeaseError("malformed answer on the lease socket")
+            lease = Lease(sock, msg[1:].decode(), reply.instance_id)
+            for i, fd in enumerate(fds):
+                if not dp.is_sealed(fd) or os.fstat(fd).st_size < layout.byte_size:
+                    raise LeaseError("slot memory is not sealed at its size")
+                lease.slots.append(Slot(lease, i, fd, layout))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        nonces = [secrets.randbits(63) | 1 for _ in lease.slots]
+        for slot, nonce in zip(lease.slots, nonces, strict=True):
+            slot.ctl.nonce = nonce
+        sock.send(dp.PROOF + b"".join(struct.pack("<Q", n) for n in nonces))
+        answer = sock.recv(256)
+        if answer[:1] != dp.READY:
+            why = answer[1:].decode(errors="replace") if answer[:1] == dp.REFUSED else "no answer"
+            raise LeaseError(f"shard refused the mapping proof: {why}")
+        return lease
+    except BaseException:
+        if lease is not None:
+            lease.close()
+        else:
+            sock.close()
+        raise
+    finally:
+        if lease is not None and not lease.closed:
+            sock.settimeout(None)

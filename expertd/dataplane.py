@@ -1,0 +1,283 @@
+"""The same-host data plane's shared pieces: a slot's memory layout, its control
+block, the futex doorbell, sealed memfds and the lease socket's messages.
+
+Both ends use these: the shard server (server/slots.py) creates and serves the
+slots, the client (client/shm.py) fills them. docs/dataplane.md describes the
+protocol; in short, a slot is one shared memory object holding
+
+    control block (4 KiB) | x bf16 [Mmax, H] | ids int32 [Mmax, K] | w fp32 [Mmax, K] |
+    out bf16 [Mmax, H]
+
+and a call is: the client writes m rows (x, ids, w packed as [m, H], [m, k], [m, k]
+at the start of their regions) and the call's header, stores req_seq + 1 and
+wakes the futex on req_seq; the shard computes, writes out [m, H], the status
+and the timing, stores resp_seq = req_seq and wakes the futex on resp_seq.
+
+Linux only (memfd, abstract unix sockets, futex). The words are read and written
+with single aligned 32-bit loads and stores; on x86-64 (total store order) a
+store of the sequence word is seen only after the stores before it, which is
+what the protocol relies on. The futex syscall is a full barrier on any arch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import platform
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+PAGE = 4096
+CONTROL_BYTES = PAGE
+ERROR_BYTES = 1024  # the error text's room in the control block
+
+SHM = "shm"
+CUDA_IPC = "cuda-ipc"
+GRPC = "grpc"
+
+# Lease socket messages (SOCK_SEQPACKET: each send is one message).
+HELLO = b"H"  # client -> shard: HELLO + token
+FDS = b"F"  # shard -> client: FDS + lease id, with the slots' fds attached
+PROOF = b"P"  # client -> shard: PROOF + 8-byte nonces, one per slot (written in the slots)
+READY = b"R"  # shard -> client: the lease is live
+REFUSED = b"X"  # shard -> client: REFUSED + why (then the socket closes)
+DONE = b"D"  # shard -> client: DONE + slot index (u32), sent when the call asked (notify)
+
+FLAG_NOTIFY = 1  # control flags: also send DONE on the lease socket when finished
+
+
+class Control(ctypes.Structure):
+    """The control block at the start of each slot (little-endian, 8-aligned)."""
+
+    _fields_ = (
+        ("req_seq", ctypes.c_uint32),  # client -> shard doorbell (futex word)
+        ("resp_seq", ctypes.c_uint32),  # shard -> client doorbell (futex word)
+        ("layer", ctypes.c_uint32),
+        ("m", ctypes.c_uint32),
+        ("k", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("status", ctypes.c_int32),  # a grpc.StatusCode value; 0 = OK
+        ("error_len", ctypes.c_uint32),
+        ("timeout_us", ctypes.c_uint64),  # how long the client waits for this call; 0 = no limit
+        ("nonce", ctypes.c_uint64),  # registration proof: written by the client
+        ("out_rows", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("request_id", ctypes.c_uint64),  # the caller's, for the server's logs
+        # timing of the last call, as in expertd.v1.Timing (microseconds)
+        ("queue_us", ctypes.c_uint64),
+        ("compute_us", ctypes.c_uint64),
+        ("total_us", ctypes.c_uint64),
+        ("stage_us", ctypes.c_uint64),
+        ("device_us", ctypes.c_uint64),
+        ("batch_requests", ctypes.c_uint32),
+        ("batch_tokens", ctypes.c_uint32),
+    )
+
+
+ERROR_OFFSET = 256  # error text: bytes [256, 256 + ERROR_BYTES) of the control block
+assert ctypes.sizeof(Control) <= ERROR_OFFSET
+assert ERROR_OFFSET + ERROR_BYTES <= CONTROL_BYTES
+
+TIMING_FIELDS = (
+    "queue_us",
+    "compute_us",
+    "total_us",
+    "stage_us",
+    "device_us",
+    "batch_requests",
+    "batch_tokens",
+)
+
+
+def _round(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Byte offsets of one slot's regions (the same formula on both ends)."""
+
+    max_tokens: int  # Mmax
+    top_k: int  # K
+    hidden: int  # H
+
+    @property
+    def x_offset(self) -> int:
+        return CONTROL_BYTES
+
+    @property
+    def ids_offset(self) -> int:
+        return self.x_offset + _round(2 * self.max_tokens * self.hidden)
+
+    @property
+    def weights_offset(self) -> int:
+        return self.ids_offset + _round(4 * self.max_tokens * self.top_k)
+
+    @property
+    def out_offset(self) -> int:
+        return self.weights_offset + _round(4 * self.max_tokens * self.top_k)
+
+    @property
+    def byte_size(self) -> int:
+        return self.out_offset + _round(2 * self.max_tokens * self.hidden)
+
+    @property
+    def input_bytes(self) -> int:
+        """The input regions' span: [x_offset, out_offset)."""
+        return self.out_offset - self.x_offset
+
+    def to_proto(self, pb):
+        return pb.SlotLayout(
+            control_offset=0,
+            control_bytes=CONTROL_BYTES,
+            x_offset=self.x_offset,
+            ids_offset=self.ids_offset,
+            weights_offset=self.weights_offset,
+            out_offset=self.out_offset,
+            byte_size=self.byte_size,
+            max_tokens=self.max_tokens,
+            top_k=self.top_k,
+            hidden_size=self.hidden,
+        )
+
+    @classmethod
+    def from_proto(cls, msg) -> Layout:
+        """The layout the server described; ValueError when its offsets are not ours."""
+        layout = cls(msg.max_tokens, msg.top_k, msg.hidden_size)
+        if (
+            msg.x_offset,
+            msg.ids_offset,
+            msg.weights_offset,
+            msg.out_offset,
+            msg.byte_size,
+        ) != (
+            layout.x_offset,
+            layout.ids_offset,
+            layout.weights_offset,
+            layout.out_offset,
+            layout.byte_size,
+        ):
+            raise ValueError("the server's slot layout differs from this client's")
+        return layout
+
+
+# -- futex ------------------------------------------------------------------------------
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine())
+FUTEX_WAIT = 0  # shared (not FUTEX_PRIVATE_FLAG): the word lives in memory of two processes
+FUTEX_WAKE = 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during each call
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def available() -> bool:
+    """Can this process use the same-host data plane at all?"""
+    return _SYS_FUTEX is not None and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+def futex_wait(addr: int, expected: int, timeout_s: float | None) -> None:
+    """Sleep while the u32 at `addr` equals `expected`, at most timeout_s (None: no limit).
+    Returns on a wake-up, a timeout, a signal or a changed word: the caller re-reads it."""
+    if timeout_s is None:
+        ts = None
+    else:
+        timeout_s = max(timeout_s, 0.0)
+        sec = int(timeout_s)
+        ts = ctypes.byref(_Timespec(sec, int((timeout_s - sec) * 1e9)))
+    _syscall(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(addr),
+        ctypes.c_int(FUTEX_WAIT),
+        ctypes.c_uint32(expected),
+        ts,
+        None,
+        ctypes.c_int(0),
+    )
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every waiter on the u32 at `addr`."""
+    _syscall(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(addr),
+        ctypes.c_int(FUTEX_WAKE),
+        ctypes.c_int(0x7FFFFFFF),
+        None,
+        None,
+        ctypes.c_int(0),
+    )
+
+
+def wait_word(
+    ctl: Control, field: str, addr: int, old: int, deadline: float | None, spin_s: float
+) -> bool:
+    """Wait until ctl.<field> != old (True) or time.monotonic() passes `deadline` (False):
+    spin for spin_s, then sleep in FUTEX_WAIT slices (GIL released)."""
+    if getattr(ctl, field) != old:
+        return True
+    now = time.monotonic()
+    spin_end = now + spin_s
+    while now < spin_end:
+        if getattr(ctl, field) != old:
+            return True
+        now = time.monotonic()
+    while True:
+        if getattr(ctl, field) != old:
+            return True
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return False
+        futex_wait(addr, old, None if deadline is None else deadline - now)
+
+
+# -- memory ----------------------------------------------------------------------------
+
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of `size` bytes that nobody can shrink or grow (so no holder of it can make
+    another's mapping fault), and whose seals are final."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def is_sealed(fd: int) -> bool:
+    seals = fcntl.fcntl(fd, F_GET_SEALS)
+    return bool(seals & F_SEAL_SHRINK) and bool(seals & F_SEAL_GROW)
+
+
+# -- the lease socket ------------------------------------------------------------------
+
+
+def abstract_address(name: str) -> str:
+    """A socket address in Linux's abstract namespace (no file; gone with its owner)."""
+    return "\0" + name
+
+
+def pack_u32(value: int) -> bytes:
+    return struct.pack("<I", value)
+
+
+def unpack_u32(data: bytes) -> int:
+    return struct.unpack("<I", data[:4])[0]

@@ -1,0 +1,429 @@
+"""The shard's side of the same-host data plane: leases of shared-memory slots.
+
+RegisterSlots (an authenticated RPC) books a lease and answers with the name of
+this server's unix socket (Linux abstract namespace: reaching it proves the
+caller is on this host and in this network namespace) and a one-time token.
+The caller connects, presents the token and receives one sealed memfd per slot
+(SCM_RIGHTS); it writes a nonce into each slot's control block and sends the
+nonces back, which proves its mapping and ours are the same memory. From then
+on the connection is the lease: when it closes (the client closed it, or its
+process died and the kernel closed it) the slots are freed at once.
+
+Each slot has a waiter thread: asleep in FUTEX_WAIT on the control block's
+req_seq until the client rings, it reads the call's header, checks it (the
+region's bounds, the layer, the tensors: the same checks and errors as Forward)
+and hands the call, as tensors viewing the slot's input regions, to the event
+loop, which admits it and queues it on the batcher like any Forward. The batch's
+finisher writes the slot's rows of the output straight into the slot's output
+region, then the status and timing, stores resp_seq and wakes the client
+(server/batcher.py: Job.sink). An error is written the same way, with its code
+and message. A slot serves one call at a time: its waiter takes the next
+doorbell only once the current call has been answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from expertd import dataplane as dp
+from expertd.server.batcher import Job
+from expertd.server.validate import RequestError, check_forward, invalid
+
+log = logging.getLogger("expertd.server")
+
+MAX_SLOTS_PER_LEASE = 16
+PENDING_TTL_S = 30.0  # a registration not claimed on the socket within this is dropped
+HANDSHAKE_TIMEOUT_S = 5.0
+# How long a waiter spins on req_seq before sleeping in FUTEX_WAIT. A shard waits far more
+# than it works; spinning would take a core from the client and from the other shards.
+WAIT_SPIN_S = 0.0
+WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
+
+
+@dataclass(slots=True)
+class _Pending:
+    lease_id: str
+    layout: dp.Layout
+    slots: int
+    transport: str
+    created: float
+
+
+class Slot:
+    """One slot's memory, as this process maps it, and its waiter."""
+
+    def __init__(self, lease: Lease, index: int, fd: int, layout: dp.Layout) -> None:
+        self.lease = lease
+        self.index = index
+        self.layout = layout
+        self.mm: mmap.mmap | None = mmap.mmap(fd, layout.byte_size)
+        self.ctl: dp.Control | None = dp.Control.from_buffer(self.mm)
+        base = ctypes.addressof(self.ctl)
+        self.req_addr = base + dp.Control.req_seq.offset
+        self.resp_addr = base + dp.Control.resp_seq.offset
+        self.lock = threading.Lock()
+        self.busy = False  # a call is in flight (from the doorbell to its answer)
+        self.seq = 0  # the call being answered
+        self.answered = threading.Event()
+        self.answered.set()
+        self.thread: threading.Thread | None = None
+
+    # -- views of the regions (valid while the slot is mapped) ------------------------
+
+    def inputs(self, m: int, k: int, hidden: int):
+        lay = self.layout
+        if m == 0:
+            return (
+                torch.empty((0, hidden), dtype=torch.bfloat16),
+                torch.empty((0, max(k, 1)), dtype=torch.int32),
+                torch.empty((0, max(k, 1)), dtype=torch.float32),
+            )
+        x = torch.frombuffer(self.mm, dtype=torch.bfloat16, count=m * hidden, offset=lay.x_offset)
+        ids = torch.frombuffer(self.mm, dtype=torch.int32, count=m * k, offset=lay.ids_offset)
+        w = torch.frombuffer(self.mm, dtype=torch.float32, count=m * k, offset=lay.weights_offset)
+        return x.view(m, hidden), ids.view(m, k), w.view(m, k)
+
+    # -- answering ---------------------------------------------------------------------
+
+    def write_output(self, rows, timing: dict) -> None:
+        """The partial (uint8 [m, 2H] bf16 bits), then OK, then ring (any thread)."""
+        with self.lock:
+            if self.mm is None or not self.busy:
+                return
+            n = rows.shape[0]
+            if n:
+                off = self.layout.out_offset
+                dst = memoryview(self.mm)[off : off + rows.size]
+                dst[:] = rows.reshape(-1).data
+                dst.release()
+            ctl = self.ctl
+            for name, value in timing.items():
+                setattr(ctl, name, value)
+            ctl.out_rows = n
+            ctl.status = 0
+            ctl.error_len = 0
+            self._ring()
+
+    def write_error(self, code: grpc.StatusCode, message: str) -> None:
+        with self.lock:
+            if self.mm is None or not self.busy:
+                return
+            data = message.encode("utf-8", "replace")[: dp.ERROR_BYTES]
+            self.mm[dp.ERROR_OFFSET : dp.ERROR_OFFSET + len(data)] = data
+            ctl = self.ctl
+            ctl.error_len = len(data)
+            ctl.out_rows = 0
+            ctl.status = code.value[0]
+            self._ring()
+
+    def _ring(self) -> None:
+        """resp_seq = the call's seq, wake the client (and tell it on the socket when
+        it asked to be told); the slot takes its next call. Under self.lock."""
+        ctl = self.ctl
+        notify = ctl.flags & dp.FLAG_NOTIFY
+        ctl.resp_seq = self.seq
+        dp.futex_wake(self.resp_addr)
+        self.busy = False
+        if notify:
+            self.lease.notify(self.index)
+        if self.lease.closed:
+            self._unmap()
+        self.answered.set()
+
+    def close(self) -> None:
+        """Unmap now unless a call is in flight (then once it is answered)."""
+        with self.lock:
+            if not self.busy:
+                self._unmap()
+        self.answered.set()
+
+    def _unmap(self) -> None:
+        # The tensors of a call view the mmap object (torch keeps it alive): the mapping
+        # goes with the last of them; ctl's export must go first.
+        self.ctl = None
+        self.mm = None
+
+
+class Lease:
+    """One client connection's slots."""
+
+    def __init__(self, registry: SlotRegistry, lease_id: str, conn: socket.socket, pid: int):
+        self.registry = registry
+        self.lease_id = lease_id
+        self.conn = conn
+        self.pid = pid
+        self.slots: list[Slot] = []
+        self.closed = False
+        self.transport = dp.SHM
+        self._send_lock = threading.Lock()
+
+    def notify(self, index: int) -> None:
+        """DONE on the socket, never blocking (a client that asked reads it)."""
+        with contextlib.suppress(OSError), self._send_lock:
+            self.conn.send(dp.DONE + dp.pack_u32(index), socket.MSG_DONTWAIT)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
+        for slot in self.slots:
+            slot.close()
+        self.registry._dropped(self)
+
+
+class SlotRegistry:
+    """Every lease of one server, its unix socket and its threads."""
+
+    def __init__(self, servicer, instance_id: str) -> None:
+        self.servicer = servicer
+        self.instance_id = instance_id
+        self.name = f"expertd-{instance_id[:12]}-{secrets.token_hex(6)}"
+        self._pending: dict[bytes, _Pending] = {}
+        self.leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock.bind(dp.abstract_address(self.name))
+        self._sock.listen(64)
+        self._accepter = threading.Thread(
+            target=self._accept_loop, name="expertd-slots", daemon=True
+        )
+        self._accepter.start()
+
+    # -- registration (on the event loop) -----------------------------------------------
+
+    def book(self, transport: str, slots: int, max_tokens: int, top_k: int, hidden: int):
+        """A pending lease -> (token, lease id, layout). RequestError on a bad ask."""
+        if transport != dp.SHM:
+            raise invalid(f"transport {transport!r} is not offered here (offered: shm)")
+        limits = self.servicer.limits
+        slots = slots or 1
+        if not 1 <= slots <= MAX_SLOTS_PER_LEASE:
+            raise invalid(f"slots {slots} outside [1, {MAX_SLOTS_PER_LEASE}]")
+        max_tokens = max_tokens or limits.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise invalid(
+                f"max_tokens {max_tokens}: this server accepts at most {limits.max_tokens}"
+            )
+        top_k = top_k or limits.max_top_k
+        if not 1 <= top_k <= limits.max_top_k:
+            raise invalid(f"top_k {top_k} outside [1, {limits.max_top_k}]")
+        token = secrets.token_bytes(24)
+        lease_id = secrets.token_hex(8)
+        layout = dp.Layout(max_tokens, top_k, hidden)
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, p in self._pending.items() if now - p.created > PENDING_TTL_S]:
+                del self._pending[key]
+            self._pending[token] = _Pending(lease_id, layout, slots, transport, now)
+        return token, lease_id, layout
+
+    # -- the socket ----------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve_lease, args=(conn,), name="expertd-lease", daemon=True
+            ).start()
+
+    def _serve_lease(self, conn: socket.socket) -> None:
+        """Handshake, then hold the lease until the connection ends."""
+        lease = None
+        try:
+            lease = self._handshake(conn)
+        except (OSError, ValueError) as e:
+            log.info("slot registration refused: %s", e)
+            with contextlib.suppress(OSError):
+                conn.send(dp.REFUSED + str(e).encode()[:200])
+        if lease is None:
+            conn.close()
+            return
+        try:
+            conn.settimeout(None)
+            while True:
+                msg = conn.recv(64)
+                if not msg:  # the client closed it, or its process is gone
+                    break
+        except OSError:
+            pass
+        finally:
+            lease.close()
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> Lease | None:
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        hello = conn.recv(256)
+        if not hello.startswith(dp.HELLO):
+            raise ValueError("unexpected message on the lease socket")
+        with self._lock:
+            pending = self._pending.pop(hello[1:], None)
+        if pending is None or time.monotonic() - pending.created > PENDING_TTL_S:
+            raise ValueError("unknown or expired registration token")
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+        lease = Lease(self, pending.lease_id, conn, pid)
+        fds = []
+        try:
+            for i in range(pending.slots):
+                fd = dp.sealed_memfd(
+                    f"expertd-slot-{pending.lease_id}-{i}", pending.layout.byte_size
+                )
+                fds.append(fd)
+                lease.slots.append(Slot(lease, i, fd, pending.layout))
+            socket.send_fds(conn, [dp.FDS + pending.lease_id.encode()], fds)
+        finally:
+            for fd in fds:  # the mappings keep the memory; the client has its own fds
+                os.close(fd)
+        proof = conn.recv(16 + 8 * pending.slots)
+        nonces = proof[1:]
+        if not proof.startswith(dp.PROOF) or len(nonces) != 8 * pending.slots:
+            raise ValueError("malformed mapping proof")
+        for slot, (nonce,) in zip(lease.slots, struct.iter_unpack("<Q", nonces), strict=True):
+            if nonce == 0 or slot.ctl.nonce != nonce:
+                raise ValueError("mapping proof failed: the slot memory is not shared")
+        with self._lock:
+            if self._closed:
+                raise ValueError("server is stopping")
+            self.leases[lease.lease_id] = lease
+        self.servicer.metrics.dataplane_leases.labels(lease.transport).inc()
+        self.servicer.metrics.dataplane_slots.labels(lease.transport).inc(len(lease.slots))
+        for slot in lease.slots:
+            slot.ctl.nonce = 0
+            slot.thread = threading.Thread(
+                target=self._wait_loop, args=(slot,), name="expertd-slot", daemon=True
+            )
+            slot.thread.start()
+        conn.send(dp.READY)
+        log.debug(
+            "slot lease %s: %d slot(s) of %d tokens for pid %d",
+            lease.lease_id,
+            len(lease.slots),
+            pending.layout.max_tokens,
+            pid,
+        )
+        return lease
+
+    def _dropped(self, lease: Lease) -> None:
+        with self._lock:
+            gone = self.leases.pop(lease.lease_id, None)
+        if gone is not None:
+            self.servicer.metrics.dataplane_leases.labels(lease.transport).dec()
+            self.servicer.metrics.dataplane_slots.labels(lease.transport).dec(len(lease.slots))
+            log.debug("slot lease %s ended (pid %d)", lease.lease_id, lease.pid)
+
+    # -- the doorbell --------------------------------------------------------------------
+
+    def _wait_loop(self, slot: Slot) -> None:
+        last = 0
+        lease = slot.lease
+        while not lease.closed:
+            slot.answered.wait()  # one call at a time
+            if lease.closed:
+                break
+            ctl = slot.ctl
+            if ctl is None:
+                break
+            deadline = time.monotonic() + WAIT_SLICE_S
+            if not dp.wait_word(ctl, "req_seq", slot.req_addr, last, deadline, WAIT_SPIN_S):
+                continue
+            last = ctl.req_seq
+            received = time.perf_counter_ns()
+            with slot.lock:
+                if slot.mm is None:
+                    break
+                slot.busy = True
+                slot.seq = last
+                slot.answered.clear()
+            try:
+                self._take(slot, received)
+            except RequestError as e:
+                self.servicer.count_slot(e.code)
+                slot.write_error(e.code, e.message)
+            except Exception:
+                log.exception("slot call failed (lease %s)", lease.lease_id)
+                self.servicer.count_slot(grpc.StatusCode.INTERNAL)
+                slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+
+    def _take(self, slot: Slot, received: int) -> None:
+        """Read and check the rung call, then queue it (on the event loop)."""
+        ctl = slot.ctl
+        lay = slot.layout
+        layer, m, k, timeout_us = ctl.layer, ctl.m, ctl.k, ctl.timeout_us
+        bank = self.servicer.admit()
+        if m > lay.max_tokens:
+            raise invalid(f"m = {m} rows exceed the slot's {lay.max_tokens}")
+        if m and not 1 <= k <= lay.top_k:
+            raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
+        x, ids, w = slot.inputs(m, k, lay.hidden)
+        # ids and weights are copied (m * k words): the client cannot change an id after
+        # it was checked. x stays a view; its values only shape the client's own answer.
+        ids, w = ids.clone(), w.clone()
+        args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
+        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+        job = Job(args, deadline, received, None, ctl.request_id, slot)
+        if self.servicer.batcher.run_direct(job):  # idle: run here, answered already
+            self.servicer.count_slot(grpc.StatusCode.OK)
+            return
+        self.servicer.submit_threadsafe(job)
+
+    def close(self) -> None:
+        """Stop accepting and end every lease (clients see the socket close)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            leases = list(self.leases.values())
+        for lease in leases:
+            lease.close()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                lid: {"pid": lease.pid, "slots": len(lease.slots), "transport": lease.transport}
+                for lid, lease in self.leases.items()
+            }
+
+
+def answer_later(fut: asyncio.Future, slot: Slot, servicer) -> None:
+    """When `fut` (a Job's future) ends: errors into the slot (the finisher wrote a
+    success already), and the servicer's books."""
+
+    def done(f: asyncio.Future) -> None:
+        servicer.release_inflight()
+        if f.cancelled():
+            servicer.count_slot(grpc.StatusCode.CANCELLED)
+            slot.write_error(grpc.StatusCode.CANCELLED, "cancelled")
+            return
+        e = f.exception()
+        if e is None:
+            servicer.count_slot(grpc.StatusCode.OK)
+        elif isinstance(e, RequestError):
+            servicer.count_slot(e.code)
+            slot.write_error(e.code, e.message)
+        else:
+            log.error("slot forward failed: %s", e)
+            servicer.count_slot(grpc.StatusCode.INTERNAL)
+            slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+
+    fut.add_done_callback(done)
