@@ -245,12 +245,22 @@ class RemoteRegistry:
         )
         return lease, reply
 
-    async def hold(self, lease: RemoteLease) -> None:
-        """Until the server stops (the RPC's cancellation ends it sooner)."""
+    async def hold(self, lease: RemoteLease, drain: asyncio.Event) -> None:
+        """Until the server drains or stops (the RPC's cancellation, when the client
+        goes, ends it sooner). Draining ends the lease once its calls in flight are
+        answered, so a server's stop does not wait out its grace for idle leases."""
         if self._closing is None:
             self._closing = asyncio.Event()
-        if not self._closed:
-            await self._closing.wait()
+        if self._closed:
+            return
+        waits = [asyncio.ensure_future(self._closing.wait()), asyncio.ensure_future(drain.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        while not self._closed and any(slot.busy for slot in lease.slots):
+            await asyncio.sleep(0.01)
 
     def release(self, lease: RemoteLease) -> None:
         """The lease's stream ended: unload the client's agent, free the slots."""

@@ -363,7 +363,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._count("RegisterRemoteSlots", grpc.StatusCode.OK)
         try:
             yield reply
-            await self.remote.hold(lease)
+            await self.remote.hold(lease, self._drain)
         finally:
             self.remote.release(lease)
 
