@@ -249,3 +249,37 @@ def test_without_nixl_the_client_warns_once_and_uses_grpc(shards8, monkeypatch, 
         assert torch.equal(bits(b.forward(0, x, ids, w)), bits(out))
     warnings = [r for r in caplog.records if "cross-host data plane off" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_registration_needs_the_credentials_every_rpc_needs():
+    shard = start_shard(
+        [*SERVE, "--num-shards", "1", "--shard", "0"],
+        env={**os.environ, "EXPERTD_AUTH_TOKEN": "s3cret"},
+    )
+    try:
+        wait_serving([shard], timeout=300)
+        agent = nixl.make_agent("test")
+
+        async def register():
+            channel = grpc.aio.insecure_channel(shard.address)
+            try:
+                request = pb.RegisterSlotsRequest(
+                    transport="nixl",
+                    nixl=pb.NixlPeer(
+                        agent_name=agent.name, agent_metadata=agent.get_agent_metadata()
+                    ),
+                )
+                call = ExpertStub(channel).RegisterRemoteSlots(request)
+                return await asyncio.wait_for(call.read(), 20)
+            finally:
+                await channel.close()
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(register())
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with ExpertClient([shard.address], transport="nixl", token="s3cret") as client:
+            assert client.stats()[shard.address]["transport"] == "nixl"
+            x, ids, w = case(4, 6)
+            assert client.forward(0, x, ids, w).shape == (4, 512)
+    finally:
+        stop_shards([shard])
