@@ -1,15 +1,14 @@
 """The GPU's SM clock, power draw and clock-event reasons, sampled by `nvidia-smi -lms` in the
-background (benchmarks/clock_watch.py, benchmarks/kernel.py).
+background while benchmarks/kernel.py times the forward.
 
-Session 21 found the forward at the H200's 700 W software power cap from M = 16 up when it runs
-back to back (SM clock ~1550-1650 MHz instead of 1980; the device copy stays at 1980 MHz and
-~480 W), so a timing is only comparable with another at the clock it ran at.
+Run back to back, the forward reaches the H200's 700 W software power cap from M = 16 up (SM
+clock ~1550-1650 MHz instead of 1980; the device copy stays at 1980 MHz and ~480 W), so a
+timing is only comparable with another at the clock it ran at.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import shutil
 import subprocess
 import threading
@@ -100,42 +99,4 @@ def start_sampler(period_ms: int = 25) -> Sampler | None:
     try:
         return Sampler(period_ms)
     except OSError:
-        return None
-
-
-class EnergyMeter:
-    """The GPU's total energy counter (NVML, millijoules since the driver loaded), through
-    ctypes on libnvidia-ml (no pynvml needed). Under the power cap a call's time is its energy
-    over the cap, so mJ per call is the quantity a change must lower from M = 16 up."""
-
-    def __init__(self, index: int = 0) -> None:
-        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
-        if self._lib.nvmlInit_v2() != 0:
-            raise OSError("nvmlInit_v2 failed")
-        self._dev = ctypes.c_void_p()
-        if self._lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self._dev)) != 0:
-            raise OSError(f"no NVML device {index}")
-
-    def power_limit_w(self) -> float | None:
-        """The enforced power limit in watts, or None where NVML does not say."""
-        mw = ctypes.c_uint()
-        if self._lib.nvmlDeviceGetEnforcedPowerLimit(self._dev, ctypes.byref(mw)) != 0:
-            return None
-        return mw.value / 1e3
-
-    def millijoules(self) -> int:
-        mj = ctypes.c_ulonglong()
-        rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._dev, ctypes.byref(mj))
-        if rc != 0:
-            raise OSError(f"nvmlDeviceGetTotalEnergyConsumption: NVML error {rc}")
-        return int(mj.value)
-
-
-def energy_meter() -> EnergyMeter | None:
-    """An EnergyMeter, or None where NVML or its energy counter is missing."""
-    try:
-        meter = EnergyMeter()
-        meter.millijoules()
-        return meter
-    except (OSError, AttributeError):
         return None

@@ -1,21 +1,25 @@
 """Kernel benchmark: the shard forward (preset muse-spark, 32 local experts) over the M sweep of
-../shared/PERF.md, with the floor's two rates measured in the same run.
+docs/performance.md, with the floor's two rates measured in the same run.
 
 Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under --out.
 
-    python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--quick]
+    python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--compare-lib OTHER.so]
 
 Timings: median over repetitions of (time of N back-to-back calls) / N, CUDA events, after
 warm-up, cycling over input sets (default_sets: 32 at M <= 2, 8 to M = 64, 4 above). `graph` =
 CUDA-graph replay (one graph per input set), `eager` = Python call per forward. Baseline =
 weights dequantized to bf16 once, then per hit expert torch matmuls (index by expert with host
 syncs), eager.
+
+--compare-lib PATH times another build of the kernel library (e.g. the one before a change,
+built from that commit's kernels/csrc) against this checkout's, in the same process on the same
+inputs: graphs of both, timed in alternating runs (`old us`, `new/old`: the median ratio), and
+whether the two give the same bits on every input set (`bits`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -41,14 +45,12 @@ LOCAL_EXPERTS = tuple(range(32, 32 + EL))  # the benchmark's shard: 1 of 8
 def default_sets(m: int) -> int:
     """Input sets per M. A call of M <= 2 hits 0-5 local experts and its time moves ~2x with
     that count, so it gets 32 sets: their mix follows top-8 routing's (M = 1: P(0-3 hits) =
-    0.34 / 0.41 / 0.20 / 0.05) where 8 sets drift (session 12: alt 14 read 1.011 of the default
-    on 8 sets, 0.975 on 32 and 0.966 routing-weighted). 8 to M = 64, 4 above (since session 12;
-    8 at M <= 2 before)."""
+    0.34 / 0.41 / 0.20 / 0.05) where 8 sets drift (one variant read 1.011 of another on 8 sets,
+    0.975 on 32). 8 to M = 64, 4 above."""
     return 8 * SETS if m <= 2 else 2 * SETS if m <= 64 else SETS
 
 
-BTS = (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
-WG_BTS = (16, 32, 48, 64, 96, 128, 144, 160)  # those with a v8 (wgmma) configuration
+BTS = (8, 16, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvfp4.cu)
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
@@ -136,39 +138,10 @@ def time_vs(base, other, n_sets: int, calls: int, reps: int) -> tuple[float, flo
     return t * 1e6, ratio
 
 
-def parse_env(spec: str) -> dict[str, str]:
-    """'K=V,K=V' (kernel switches on the command line) -> {K: V}; a part without '=' is an
-    error."""
-    out = {}
-    for kv in filter(None, spec.split(",")):
-        key, sep, val = kv.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"expected K=V, got {kv!r}")
-        out[key] = val
-    return out
-
-
-@contextlib.contextmanager
-def env_set(env: dict[str, str]):
-    """os.environ with `env` applied inside the block, restored after (the kernel library reads
-    its switches per call, so a graph keeps what it was captured with)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def graphed(backend, state, m: int, inputs, bt: int = 0, env=None) -> GraphedForward:
-    """A CUDA graph of the forward for M tokens, captured under `env`, loaded with `inputs`
-    (x, topk_ids, topk_weights)."""
-    with env_set(env or {}):
-        g = GraphedForward(backend, state, m, TOP_K, bt=bt)
+def graphed(backend, state, m: int, inputs, bt: int = 0) -> GraphedForward:
+    """A CUDA graph of the forward for M tokens (tile size bt, 0: the library's pick), loaded
+    with `inputs` (x, topk_ids, topk_weights)."""
+    g = GraphedForward(backend, state, m, TOP_K, bt=bt)
     for dst, src in zip((g.x, g.topk_ids, g.topk_weights), inputs, strict=True):
         dst.copy_(src)
     return g
@@ -230,6 +203,19 @@ class Baseline:
         return out.to(torch.bfloat16)
 
 
+def compare_builds(other, graphs, m: int, sets, n_sets: int, calls: int, reps: int) -> dict:
+    """The other build's graphs against this build's (`graphs`), on the same inputs: both timed
+    in alternating runs (this / other: the median ratio), and their outputs compared bit for bit
+    on every input set."""
+    backend, state = other
+    og = [graphed(backend, state, m, inputs) for inputs in sets]
+    t_other, t_this, ratio = time_paired(
+        lambda s: og[s].replay(), lambda s: graphs[s].replay(), n_sets, calls, reps
+    )
+    same = all(torch.equal(og[s].replay(), graphs[s].replay()) for s in range(n_sets))
+    return {"other_us": t_other * 1e6, "this_us": t_this * 1e6, "ratio": ratio, "same_bits": same}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -237,28 +223,20 @@ def main() -> int:
     ap.add_argument("--kind", default="nvidia-h200")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
-    ap.add_argument("--pdl-ab-max", type=int, default=0, help="time graphs without PDL too")
-    ap.add_argument("--path-ab-max", type=int, default=1 << 30, help="time every path forced")
-    ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
-    ap.add_argument("--dec-alt-max", type=int, default=64, help="time the v6 decode variants")
-    ap.add_argument("--dec-alts", default="0,7,11", help="v6 decode alternatives (0: the table)")
-    ap.add_argument("--rows-max", type=int, default=0, help="time capped v6 grids up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
+    ap.add_argument("--fixed-max", type=int, default=8, help="time calls with no local route")
     ap.add_argument(
-        "--variant", action="append", default=[], help="NAME:K=V,K=V, timed to --path-ab-max"
+        "--compare-lib",
+        default="",
+        help="another build of libexpertd_kernels.so, timed against this checkout's build on the "
+        "same inputs (alternating runs) and compared bit for bit",
     )
-    ap.add_argument("--variant-min", type=int, default=0, help="--variant only from this M")
-    ap.add_argument("--paths", default="6,8", help="forced paths timed up to --path-ab-max")
-    ap.add_argument("--rings", default="", help="v8 rings 2 / 3 forced (EXPERTD_KERNEL_WG_RING)")
-    ap.add_argument("--bt-env", default="", help="kernel switches for the BT sweep, K=V,K=V")
-    ap.add_argument("--grid-rows", default="1,2,4", help="the caps (EXPERTD_KERNEL_GRID_ROWS)")
     ap.add_argument(
         "--sets",
         type=int,
         default=0,
         help="input sets per M (0: default_sets, 32 at M <= 2, 8 to M = 64, 4 above); at M = 1 "
-        "the sets' mix of 0-3 hit experts moves the mean (benchmarks/decode_cases.py weighs them "
-        "by their probability)",
+        "the sets' mix of 0-3 hit experts moves the mean",
     )
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -285,6 +263,10 @@ def main() -> int:
     layer = gpu_layer()
     backend = CudaBackend("cuda", max_tokens=max(ms))
     state = backend.prepare(layer)
+    other = None
+    if args.compare_lib:
+        other_backend = CudaBackend("cuda", max_tokens=max(ms), library=args.compare_lib)
+        other = (other_backend, other_backend.prepare(layer))
     expert_bytes = layer.nbytes() / EL  # NVFP4 codes + fp8 scales of one expert
     baseline = None if args.no_baseline else Baseline(layer)
     local_of = layer.global_to_local("cuda").long()
@@ -298,9 +280,8 @@ def main() -> int:
     result = {
         "date": date,
         "kind": args.kind,
-        "default_path": kernel_path()
-        or "auto: v6 (mma.sync) at BT 8, v8 (wgmma) from BT 16 (BT per call: expertd_pick_bt)",
         "device": name,
+        "compare_lib": args.compare_lib or None,
         "copy_GBps": bw / 1e9,
         "matmul_TFLOPs": tc / 1e12,
         "copy_clocks": copy_clocks,
@@ -348,94 +329,28 @@ def main() -> int:
         t_graph = time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
         graph_clocks = clocks(t0)
         torch.cuda.synchronize()
-        # The same graphs without programmatic dependent launch (A/B of the launch overlap).
-        t_nopdl = None
-        if m <= args.pdl_ab_max:
-            nopdl = {"EXPERTD_KERNEL_PDL": "0"}
-            plain = [graphed(backend, state, m, inputs, env=nopdl) for inputs in sets]
-            t_nopdl = time_calls(lambda s, plain=plain: plain[s].replay(), n_sets, calls, reps)
-            del plain
-        # The GEMM paths side by side (moe_nvfp4.cu: EXPERTD_KERNEL_PATH and the alternatives),
-        # graphs captured under each setting; graph_us above is the default path.
-        variants = {}
-        named = set()  # --variant switches: same bits as the default expected, recorded
-        if m <= args.path_ab_max:
-            for path in filter(None, args.paths.split(",")):
-                variants[f"v{path}"] = {"EXPERTD_KERNEL_PATH": path}
-            for spec in args.variant if m >= args.variant_min else ():
-                name, _, env = spec.partition(":")  # --variant NAME:K=V,K=V (kernel switches)
-                variants[name] = parse_env(env)
-                named.add(name)
-            if pick_bt(m, TOP_K, E) >= 16:  # v8 rings 2 / 3 (moe_nvfp4.cu: wg_ring)
-                for ring in args.rings.split(","):
-                    if ring:
-                        variants["v8ring" + ring] = {
-                            "EXPERTD_KERNEL_PATH": "8",
-                            "EXPERTD_KERNEL_WG_RING": ring,
-                        }
-        if m <= args.dec_alt_max:  # v6 decode alternatives (moe_nvfp4.cu: 6 split-K over 8
-            for alt in args.dec_alts.split(","):  # warps, 7 / 11 / 12: 2-4 k-groups per stage)
-                if alt:
-                    variants[f"v6_alt{alt}"] = {
-                        "EXPERTD_KERNEL_PATH": "6",
-                        "EXPERTD_KERNEL_DECODE_ALT": alt,
-                    }
-        if m <= args.rows_max:  # v6 grids capped at R rows (blocks loop over tiles)
-            for r in args.grid_rows.split(","):
-                if r:
-                    variants[f"rows{r}"] = {"EXPERTD_KERNEL_GRID_ROWS": r}
-        path_us = {}
-        v6_out = None
-        for vname, env in variants.items():
-            vg = [graphed(backend, state, m, inputs, env=env) for inputs in sets]
-            path_us[vname], path_us[vname + "_vs_default"] = time_vs(
-                graphs, vg, n_sets, calls, reps
-            )
-            out0 = vg[0].replay().clone()
-            if vname == "v6":
-                v6_out = out0
-                # v8 sums in another order, and so do decode alternatives 6, 11, 15 and 18 (18:
-                # the default from 128 routes; a forced path runs 7: moe_nvfp4.cu)
-                if kernel_path(pick_bt(m, TOP_K, E)) != 8 and m * TOP_K < 128:
-                    path_us["default_equal_v6"] = bool(torch.equal(graphs[0].replay(), v6_out))
-            elif vname.startswith("rows") or vname in named:  # the default's arithmetic, elsewhere
-                path_us[vname + "_equal_default"] = bool(torch.equal(out0, graphs[0].replay()))
-            elif v6_out is None:  # no v6 run at this M to compare with
-                pass
-            elif vname in ("v6_alt6", "v6_alt11", "v6_alt15", "v6_alt18") or vname.startswith("v8"):
-                # another fp32 sum order (split-K over other warps, or none)
-                path_us[vname + "_rel_diff_v6"] = relative_error(out0, v6_out)
-            else:  # same arithmetic: v6_alt0/7 must reproduce v6 (BT 8: alt 7) bit for bit
-                path_us[vname + "_equal_v6"] = bool(torch.equal(out0, v6_out))
-            del vg
-        # The default again after the variants: identical graphs time 3-10% apart within one run
-        # (clocks, L2 state), so variants are compared with both timings of the default.
-        t_again = (
-            time_calls(lambda s, graphs=graphs: graphs[s].replay(), n_sets, calls, reps)
-            if variants
-            else None
-        )
-        # Fixed cost (v6): the same call with no route on this shard (every id foreign or -1):
-        # route kernel, GEMM grids with nothing to do, finalize writing zeros, launch gaps.
+        compare = compare_builds(other, graphs, m, sets, n_sets, calls, reps) if other else None
+        # Fixed cost: the same call with no route on this shard (every id -1): routing, GEMM
+        # grids with nothing to do, finalize writing zeros, launch gaps.
+        t_fixed = None
         if m <= args.fixed_max:
             foreign = torch.full((m, TOP_K), -1, dtype=torch.int32, device="cuda")
-            inputs = (sets[0][0], foreign, sets[0][2])
-            g = graphed(backend, state, m, inputs, env={"EXPERTD_KERNEL_PATH": "6"})
+            g = graphed(backend, state, m, (sets[0][0], foreign, sets[0][2]))
             t_fixed = time_calls(lambda s, g=g: g.replay(), 1, calls, reps)
-            path_us["v6_no_local_route"] = t_fixed * 1e6
             del g
-        # Every compiled tile size (graph replay, every input set): data for the BT pick. Each BT
-        # on its default path (v8 where it has a configuration, WG_BTS), under --bt-env; timed in
-        # alternating runs against the default (bt_vs_default: the median ratio).
+        # Every compiled tile size (graph replay, every input set): data for the BT pick, each
+        # timed in alternating runs against the pick (bt_vs_default: the median ratio).
         bt_us, bt_vs_default = {}, {}
         if m <= args.bt_sweep_max:
-            bt_env = parse_env(args.bt_env)
             for bt in [int(b) for b in args.bt_list.split(",")] if args.bt_list else BTS:
-                gs = [graphed(backend, state, m, inputs, bt=bt, env=bt_env) for inputs in sets]
+                gs = [graphed(backend, state, m, inputs, bt=bt) for inputs in sets]
                 bt_us[bt], bt_vs_default[bt] = time_vs(graphs, gs, n_sets, calls, reps)
                 del gs
+        bt = pick_bt(m, TOP_K, E)
         row = {
             "M": m,
+            "bt": bt,
+            "path": kernel_path(bt),
             "bt_us": bt_us,
             "bt_vs_default": bt_vs_default,
             "hit_experts": hit,
@@ -443,11 +358,9 @@ def main() -> int:
             "local_routes": local_routes,
             "floor_us": floor * 1e6,
             "graph_us": t_graph * 1e6,
-            "graph_us_after_variants": None if t_again is None else t_again * 1e6,
             "eager_us": t_eager * 1e6,
-            "graph_no_pdl_us": None if t_nopdl is None else t_nopdl * 1e6,
-            "path": kernel_path(pick_bt(m, TOP_K, E)),
-            "path_us": path_us,
+            "no_local_route_us": None if t_fixed is None else t_fixed * 1e6,
+            "compare": compare,
             "graph_x_floor": t_graph / floor,
             "graph_GBps": hit * expert_bytes / t_graph / 1e9,
             "graph_TFLOPs": flops / t_graph / 1e12,
@@ -486,9 +399,8 @@ def main() -> int:
         ax.loglog(mm, [r["floor_us"] for r in rows], "k--", label="floor")
         ax.loglog(mm, [r["graph_us"] for r in rows], "o-", label="cuda (graph)")
         ax.loglog(mm, [r["eager_us"] for r in rows], ".-", label="cuda (eager)")
-        v6 = [(r["M"], r["path_us"]["v6"]) for r in rows if "v6" in r["path_us"]]
-        if v6:
-            ax.loglog([a for a, _ in v6], [b for _, b in v6], "x:", label="cuda v6 (graph)")
+        if other is not None:
+            ax.loglog(mm, [r["compare"]["other_us"] for r in rows], "x:", label="other build")
         if baseline is not None:
             ax.loglog(mm, [r["baseline_us"] for r in rows], "s-", label="baseline bf16 torch")
         ax.set_xlabel("tokens M")
@@ -508,25 +420,34 @@ def main() -> int:
                 f"{c['power_w_median']:.0f} W {','.join(c['reasons'])}"
             )
     print("MHz / W: median SM clock and power draw while the graph column was timed (nvidia-smi)")
-    forced = kernel_path()
-    print(
-        f"GEMM path (graph us column): {f'v{forced}' if forced else 'default by BT (path column)'}"
-        "; v6/v8 columns: each path forced"
-    )
-    head = f"{'M':>6} {'hit':>4} {'floor us':>9} {'graph us':>9} {'x floor':>8} {'eager us':>9}"
-    head += f" {'v6 us':>8} {'v8 us':>8} {'v8 err':>8}"
+    print("BT: the library's tile size for the call; path 6 = mma.sync, 8 = wgmma")
+    if other is not None:
+        print(
+            f"old: {args.compare_lib}; old us / new/old: timed in alternating runs against this "
+            "build (< 1: this build faster); bits: the same output on every input set"
+        )
+    head = f"{'M':>6} {'hit':>4} {'BT':>4} {'path':>4} {'floor us':>9} {'graph us':>9}"
+    head += f" {'x floor':>8} {'eager us':>9}"
+    if other is not None:
+        head += f" {'old us':>8} {'new/old':>8} {'bits':>5}"
     head += f" {'GB/s':>6} {'TFLOP/s':>8} {'MHz':>5} {'W':>4}"
     if baseline is not None:
         head += f" {'base us':>9} {'x base':>7} {'err':>8}"
     print(head)
     for r in rows:
         line = (
-            f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
-            f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f} "
-            f"{r['path_us'].get('v6', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v8', float('nan')):>8.1f} "
-            f"{r['path_us'].get('v8_rel_diff_v6', float('nan')):>8.1e} "
-            f"{r['graph_GBps']:>6.0f} "
+            f"{r['M']:>6} {r['hit_experts']:>4.1f} {r['bt']:>4} {r['path']:>4} "
+            f"{r['floor_us']:>9.1f} {r['graph_us']:>9.1f} "
+            f"{r['graph_x_floor']:>8.2f} {r['eager_us']:>9.1f}"
+        )
+        if other is not None:
+            c = r["compare"]
+            line += (
+                f" {c['other_us']:>8.1f} {c['ratio']:>8.3f}"
+                f" {'same' if c['same_bits'] else 'DIFF':>5}"
+            )
+        line += (
+            f" {r['graph_GBps']:>6.0f} "
             f"{r['graph_TFLOPs']:>8.1f} "
             f"{r['graph_clocks'].get('sm_mhz_median', float('nan')):>5.0f} "
             f"{r['graph_clocks'].get('power_w_median', float('nan')):>4.0f}"
@@ -537,58 +458,35 @@ def main() -> int:
                 f" {r['rel_err_vs_baseline']:>8.1e}"
             )
         print(line)
-    fixed = [r for r in rows if "v6_no_local_route" in r["path_us"]]
+    fixed = [r for r in rows if r["no_local_route_us"] is not None]
     if fixed:
         print(
-            "no local route (fixed cost, v6), graph us: "
-            + ", ".join(f"M={r['M']} {r['path_us']['v6_no_local_route']:.1f}" for r in fixed)
+            "no local route (fixed cost), graph us: "
+            + ", ".join(f"M={r['M']} {r['no_local_route_us']:.1f}" for r in fixed)
             + "; empty graphs (torch, back to back): "
             + ", ".join(
                 f"{k.replace('_', ' ')} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in result["graph_floor_us"].items()
             )
         )
-    again = [r for r in rows if r.get("graph_us_after_variants")]
-    if again:
+    if other is not None:
+        diff = [r["M"] for r in rows if not r["compare"]["same_bits"]]
         print(
-            "default timed again after the variants (graph us, first / again): "
-            + ", ".join(
-                f"M={r['M']} {r['graph_us']:.1f} / {r['graph_us_after_variants']:.1f}"
-                for r in again
-            )
+            "bit for bit at every M: the two builds give the same outputs"
+            if not diff
+            else f"OUTPUTS DIFFER between the builds at M = {diff}"
         )
-    paired = [r for r in rows if any(k.endswith("_vs_default") for k in r["path_us"])]
-    if paired:
-        print("variant / default, timed in alternating runs (median ratio; < 1: variant faster):")
-        for r in paired:
-            print(
-                f"  M={r['M']}: "
-                + ", ".join(
-                    f"{k[: -len('_vs_default')]} {v:.3f}"
-                    for k, v in r["path_us"].items()
-                    if k.endswith("_vs_default")
-                )
-            )
-    eq = [f"M={r['M']}:{k}" for r in rows for k, v in r["path_us"].items() if v is False]
-    print(
-        "bit for bit at every M: v6_alt0 / 7 (and the default where it runs alt 7) == v6, capped"
-        " grid rows and --variant switches == the default"
-        if not eq
-        else f"MISMATCH: {eq}"
-    )
-    print("v8 err: relative difference from v6 (another fp32 summation order), not an error bound")
     sweep = [r for r in rows if r["bt_us"]]
     if sweep:
         print("\ngraph us per tile size BT (the pick is expertd_pick_bt):")
         keys = list(sweep[0]["bt_us"])
-        print(f"(each BT on its default path: v8 at {WG_BTS}, v6 below)")
         print(f"{'M':>6} " + " ".join(f"{'BT=' + str(b):>15}" for b in keys))
         for r in sweep:
             print(
                 f"{r['M']:>6} "
                 + " ".join(f"{r['bt_us'][b]:>8.1f} ({r['bt_vs_default'][b]:.3f})" for b in keys)
             )
-        print("(in brackets: time / the default's, timed in alternating runs)")
+        print("(in brackets: time / the pick's, timed in alternating runs)")
     return 0
 
 

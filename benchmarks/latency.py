@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from service import OPTIONS, shard0_request
 
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.synthetic import get_preset
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 

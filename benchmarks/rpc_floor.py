@@ -33,8 +33,8 @@ import grpc
 import torch
 
 from expertd import codec, wire
-from expertd.kernels.graphs import Layout
 from expertd.server.bank import ModelInfo
+from expertd.server.graphs import Layout
 from expertd.server.malformed import MalformedRequestInterceptor
 from expertd.server.staging import HostStaging
 from expertd.server.validate import Limits, parse_forward

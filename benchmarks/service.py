@@ -1,4 +1,4 @@
-"""Service benchmark (../shared/PERF.md, "The service"): the real client against
+"""Service benchmark (docs/performance.md, "The service"): the real client against
 8 real shard servers, next to what the busiest shard spent computing.
 
     python benchmarks/service.py --out $OUT [--device cuda] [--preset muse-spark] [--ms 1,16,256]
@@ -34,8 +34,8 @@ import torch
 
 from expertd import wire
 from expertd.client import ExpertClient
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.config import shard_experts
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.runner import CUDA_DEPTH
 from expertd.server.synthetic import get_preset
 from expertd.v1 import expertd_pb2 as pb

@@ -1,4 +1,4 @@
-"""Soak: the long version of tests/test_reliability_*.py. N callers for a fixed
+"""Soak: the long version of tests/reliability/test_reliability_*.py. N callers for a fixed
 time against real shard processes, every result checked against the reference,
 faults injected on a schedule, server memory sampled throughout.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the load generator and proxy the test
 from faultproxy import FaultProxy  # noqa: E402
 from loadgen import make_cases, rss_mib, run_load  # noqa: E402
 
-from expertd.server.launcher import start_shard, stop_shards, wait_serving  # noqa: E402
+from expertd.launcher import start_shard, stop_shards, wait_serving  # noqa: E402
 from expertd.server.synthetic import get_preset, synthetic_layer  # noqa: E402
 
 

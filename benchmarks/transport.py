@@ -41,7 +41,7 @@ import torch
 from expertd import dataplane as dp
 from expertd import nixl
 from expertd.client import ExpertClient, shm
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.synthetic import get_preset
 
 OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]

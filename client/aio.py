@@ -6,7 +6,15 @@
 This is the engine; ExpertClient runs it on a background event loop. Every call
 has one deadline: every attempt, backoff and probe fits inside it, so a call
 ends with the result or an error naming experts and addresses, never a hang
-and never a missing contribution.
+and never a missing contribution. A replica that refuses a call for overload
+gets it again after a pause (busy is not down); an answer or a Describe that
+does not follow the protocol is an error naming the address at once.
+
+grpc.aio can still owe the client's event loop events after close() (the
+completions of calls it cancelled). In a process with other grpc.aio loops
+(an ExpertClient's, an embedded server's), do not close that loop right
+after: expertd.aioloop.run(main()) runs a coroutine as asyncio.run does and
+leaves its loop open (expertd/aioloop.py says why).
 """
 
 from __future__ import annotations
@@ -21,7 +29,6 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import nixl as nixl_plane
-from expertd.client import native
 from expertd.client import nixl as nixl_client
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import (
@@ -34,11 +41,20 @@ from expertd.client.core import (
     to_caller,
 )
 from expertd.client.errors import CoverageError, ShardCallError
-from expertd.client.replicas import RETRYABLE, Endpoint, Pool
-from expertd.client.routing import ShardPart, Topology, assign_owners, missing_experts, split_routes
+from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
+from expertd.client.routing import (
+    ShardPart,
+    Topology,
+    assign_owners,
+    describe_problem,
+    missing_experts,
+    split_routes,
+)
 from expertd.client.shm import MAX_SLOTS, SLOTS_PER_LEASE, LeaseError, ShmChannel
 from expertd.client.stream import ForwardStream, StreamCallError
 from expertd.v1 import expertd_pb2 as pb
+
+BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
 
 # transport= values: "auto" leases shared-memory slots from each replica on this host,
 # registers NIXL slots with the others when NIXL is installed, and uses gRPC for the
@@ -67,6 +83,8 @@ class AsyncExpertClient:
         refresh_s: float = 10.0,
         transport: str = "auto",
         attempt_share: float = 0.5,
+        busy_retries: int = 6,
+        busy_backoff: float = 0.05,
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
@@ -79,7 +97,11 @@ class AsyncExpertClient:
         "grpc" or "stream" (calls multiplexed over one ForwardStream per replica, see
         client/stream.py) or "unary" (one Forward RPC per shard and call);
         attempt_share: the part of the time left an attempt gets when another live
-        replica could take over (a stalled replica then costs only that part)."""
+        replica could take over (a stalled replica then costs only that part);
+        busy_retries: how many times a shard part is sent again after a replica
+        refused it for overload (RESOURCE_EXHAUSTED), within the deadline;
+        busy_backoff: the first pause after such a refusal (doubles, jittered, at
+        most BUSY_PAUSE_MAX s). A busy replica stays in rotation: busy is not down."""
         if not 0 < attempt_share <= 1:
             raise ValueError(f"attempt_share must be in (0, 1], not {attempt_share}")
         self.attempt_share = attempt_share
@@ -101,6 +123,8 @@ class AsyncExpertClient:
         self.discover_timeout = discover_timeout
         self.max_attempts = max_attempts
         self.retry_backoff = retry_backoff
+        self.busy_retries = busy_retries
+        self.busy_backoff = busy_backoff
         self._metadata = metadata_tuples(metadata)
         self._token = token
         # A stream's metadata is fixed when it opens: the client's own and its token.
@@ -118,7 +142,6 @@ class AsyncExpertClient:
         self._turn = 0
         self._candidates: dict = {}  # (topology, layer, live shards) -> candidates table
         self.topology: Topology | None = None
-        native.library()  # the C sum: built (once per machine) here, not in the first forward
 
     @classmethod
     async def connect(cls, addresses: list[str], **kwargs) -> AsyncExpertClient:
@@ -313,8 +336,8 @@ class AsyncExpertClient:
                         )
                     bits = slot.result()
                 except StreamCallError as e:
-                    if e.code() in RETRYABLE:
-                        raise Fallback from None
+                    if e.code() in RETRYABLE or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise Fallback from None  # the loop's path retries, or pauses first
                     raise ShardCallError(
                         ep.address, layer, part.experts, e.code(), e.details()
                     ) from None
@@ -356,6 +379,12 @@ class AsyncExpertClient:
         except grpc.RpcError as e:
             self._pool.mark_down(ep, f"{e.code().name}: {e.details()}")
             return False
+        problem = describe_problem(info)
+        if problem is not None:  # unusable until it describes itself sensibly
+            changed = ep.info is not None
+            ep.info = None
+            self._pool.mark_down(ep, f"bad Describe: {problem}")
+            return changed
         return self._pool.mark_up(ep, info)
 
     async def _probe(self, endpoints: list[Endpoint], timeout: float) -> None:
@@ -492,7 +521,8 @@ class AsyncExpertClient:
 
     async def _send(self, topo, layer, inputs, part: ShardPart, deadline, md, depth=0, held=None):
         """One shard's part -> [Piece]: a live replica, the next one on a retryable
-        failure; when the shard has none left, its routes go to other owners."""
+        failure, the same or another after a pause when it is busy (overload);
+        when the shard has no replica left, its routes go to other owners."""
         request = None
         held = [] if held is None else held
         # Slots carry calls with the client's own credentials (checked when leased);
@@ -500,11 +530,15 @@ class AsyncExpertClient:
         slots_ok = (
             self._slots_on and tuple(kv for kv in md if kv[0] != "x-request-id") == self._stream_md
         )
+        rows = part.tokens.numel()
         tried: dict[str, str] = {}
+        busy: dict[str, str] = {}  # replicas that refused for overload (kept in rotation)
+        refusals = 0
         last, ep = None, None
         addresses = topo.shards[part.shard].addresses
         while len(tried) < self.max_attempts:
-            ep = self._pool.pick(addresses, tried)
+            # A replica that did not refuse, else the least loaded busy one.
+            ep = self._pool.pick(addresses, {*tried, *busy}) or self._pool.pick(addresses, tried)
             remaining = deadline - time.monotonic()
             if ep is None or remaining <= 0:
                 break
@@ -533,22 +567,45 @@ class AsyncExpertClient:
                     request = forward_request(layer, inputs, part)
                 reply = await self._forward_rpc(ep, request, budget, md)
             except grpc.RpcError as e:
-                last = (ep.address, e.code(), e.details())
-                tried[ep.address] = f"{e.code().name}: {e.details()}"
-                stalled = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and budget < remaining
-                if e.code() not in RETRYABLE and not stalled:
-                    raise ShardCallError(*last[:1], layer, part.experts, *last[1:], tried) from None
+                code, details = e.code(), e.details()
+                last = (ep.address, code, details)
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _overload(ep, rows, details):
+                    refusals += 1
+                    busy[ep.address] = f"{code.name}: {details}"
+                    pause = min(
+                        self.busy_backoff * 2.0 ** (refusals - 1), BUSY_PAUSE_MAX
+                    ) * random.uniform(0.5, 1.5)
+                    left = deadline - time.monotonic()
+                    if refusals > self.busy_retries or pause >= left:
+                        why = f"server overloaded: {details} (refused {refusals} times)"
+                        raise ShardCallError(
+                            ep.address, layer, part.experts, code, why, {**tried, **busy}
+                        ) from None
+                    await asyncio.sleep(pause)
+                    continue
+                tried[ep.address] = f"{code.name}: {details}"
+                stalled = code == grpc.StatusCode.DEADLINE_EXCEEDED and budget < remaining
+                if code not in RETRYABLE and not stalled:
+                    raise ShardCallError(
+                        ep.address, layer, part.experts, code, details, {**busy, **tried}
+                    ) from None
                 if stalled:  # out of rotation until a probe gets an answer again
                     tried[ep.address] = f"no answer within {budget:.3g} s"
                     if ep.stream is not None:
                         ep.stream.close()
                         ep.stream = None
-                self._pool.mark_down(ep, tried[ep.address])
+                if stalled or code not in KEEPS_REPLICA:
+                    self._pool.mark_down(ep, tried[ep.address])
                 pause = self.retry_backoff * 2 ** (len(tried) - 1) * random.uniform(0.5, 1.5)
                 await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))
                 continue
             finally:
                 ep.outstanding -= 1
+            problem = reply_problem(reply, rows, topo.hidden_size)
+            if problem is not None:  # a server that does not speak the protocol: say so now
+                raise ShardCallError(
+                    ep.address, layer, part.experts, grpc.StatusCode.INTERNAL, problem
+                )
             ep.calls += 1
             ep.last_timing = reply.timing
             return [Piece(part.shard, part.tokens, reply.output, ep.address, ep.last_timing)]
@@ -564,12 +621,12 @@ class AsyncExpertClient:
         if time.monotonic() >= deadline:
             why = f"deadline passed; last: {last[2]}" if last else "deadline passed before sending"
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-            raise ShardCallError(address, layer, part.experts, code, why, tried or None)
+            raise ShardCallError(address, layer, part.experts, code, why, {**busy, **tried} or None)
         if last is None:
             raise CoverageError(
                 layer, part.experts, self._pool.down(self._owners(topo, layer, part.experts))
             )
-        raise ShardCallError(address, layer, part.experts, last[1], last[2], tried)
+        raise ShardCallError(address, layer, part.experts, last[1], last[2], {**busy, **tried})
 
     async def _forward_rpc(self, ep: Endpoint, request, timeout: float, md) -> pb.ForwardResponse:
         """One Forward on the stream, or unary when asked to (or when this call's
@@ -618,6 +675,49 @@ class AsyncExpertClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _overload(ep: Endpoint, rows: int, details: str) -> bool:
+    """Is a RESOURCE_EXHAUSTED from `ep` overload (retry later), not a request over
+    its limits (retrying cannot help)? Judged by the limits its Describe gave."""
+    info = ep.info
+    if "larger than max" in details:  # gRPC's own message size limit
+        return False
+    if info is not None and info.max_tokens_per_request and rows > info.max_tokens_per_request:
+        return False
+    if info is not None and info.max_message_bytes:
+        size = rows * (2 * info.hidden_size + 8 * max(info.top_k, 1))  # about the request's
+        if size > info.max_message_bytes:
+            return False
+    return True
+
+
+def reply_problem(reply, rows: int, hidden_size: int) -> str | None:
+    """What is wrong with a Forward answer that came with status OK, or None: the
+    SDK never lets a reply it cannot sum reach the caller as anything but an error."""
+    if reply is None:
+        return "malformed reply: the answer could not be decoded as a ForwardResponse"
+    if reply.HasField("error"):
+        code = _CODES.get(reply.error.code)
+        name = code.name if code is not None else f"status {reply.error.code}"
+        return f"malformed reply: status OK but an error inside: {name}: {reply.error.message}"
+    if not reply.HasField("output"):
+        return "malformed reply: no output tensor"
+    out = reply.output
+    shape = list(out.shape)
+    if out.dtype != pb.BF16:
+        return f"malformed reply: output dtype {out.dtype}, expected BF16 ({pb.BF16})"
+    if shape != [rows, hidden_size]:
+        return f"malformed reply: output shape {shape}, expected [{rows}, {hidden_size}]"
+    if len(out.data) != rows * hidden_size * 2:
+        return (
+            f"malformed reply: output holds {len(out.data)} bytes, "
+            f"expected {rows * hidden_size * 2} for bf16 [{rows}, {hidden_size}]"
+        )
+    return None
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 async def _all(coros):

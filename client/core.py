@@ -9,7 +9,6 @@ on CPU nothing is pinned (pinning needs a CUDA driver).
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ import numpy as np
 import torch
 
 from expertd import wire
-from expertd.client import native
 from expertd.client.routing import ShardPart, Topology
 from expertd.codec import ForwardRequestOut
 from expertd.v1 import expertd_pb2 as pb
@@ -78,46 +76,26 @@ def stage_inputs(
     return Inputs(x, ids, weights, hidden_states.device)
 
 
-# The client's per-call tensor work (each shard's rows, the sum of the answers) runs on the
-# loop's thread with no thread pool: the sum in C where a C compiler is there (client/native.py,
-# one pass over the answers), else in numpy; the rows in numpy. torch's CPU ops open an OpenMP
-# region (index_add_ even for one row, indexing from a few thousand elements, elementwise
-# kernels above TORCH_INLINE_ELEMENTS), and in a busy process (shard servers beside it, the
-# caller's threads) the loop thread then waits at the region's barrier for a worker the OS
-# has not run yet: on this project's 2-core CI machine, with 3 busy processes beside it,
-# index_add_ of one 4096-wide row averaged 870 us against a median of 5; on the H200 host
-# (16 cores, 8 shard processes) index_add_ was ~16% of the client loop's busy time at M = 64
-# (py-spy, session 25). The numpy sum's only torch kernel is the float32 -> bf16 rounding, in
-# pieces small enough to run inline (one pass where numpy needs six).
-#
-# benchmarks/client_combine.py on the 2-core CI machine (H = 4096, 8 shards holding ~2/3 of
-# the tokens each, ms per combine, quiet median; numpy: also the mean beside 3 busy processes):
-#   M      1             16            64            256           1024
-#   C      0.034         0.078         0.19          0.72          6.1
-#   numpy  0.043 / 0.045 0.16 / 0.30   0.38 / 0.81   1.41 / 2.9    6.2 / 13.4
-#   old    0.068 / 0.20  0.20 / 0.41   0.22 / 1.07   0.78 / 9.2    6.4 / 63
-# (old: numpy up to 2^17 elements, torch's index_add_ on 2 threads above; at M = 1024 the
-# first touch of the fresh 8 MiB output alone takes ~2.5 ms here, page faults, against 0.08
-# for a reused one). Quiet, torch on one thread (not an option: the thread count is
-# process-wide) did 0.12, 0.29 and 1.20 ms at M = 16, 64 and 256: numpy stages each answer
-# as float32 before adding it. Each shard's rows: numpy's gather took 0.27 ms for 8 shards
-# at M = 256 against torch's 0.77 on 2 threads.
+# The client's per-call tensor work (each shard's rows, the sum of the answers) runs in numpy
+# on the loop's thread, with no thread pool. Numpy was measured faster here than torch's CPU
+# ops, and avoids their OpenMP region, at whose barrier a busy process's event-loop thread
+# stalls. torch's CPU ops (index_add_ even for one row, indexing from a few thousand
+# elements, elementwise ops above TORCH_INLINE_ELEMENTS) open such a region; in a busy
+# process (shard servers beside it, the caller's threads) the loop thread then waits for a
+# worker the OS has not run yet. The sum's only torch kernel is the float32 -> bf16
+# rounding, in pieces small enough to run inline (one pass where numpy needs six).
 
-# torch's elementwise CPU kernels run inline up to this many elements (at::internal::
+# torch's elementwise CPU ops run inline up to this many elements (at::internal::
 # GRAIN_SIZE): in a fresh process, copy_ of 32768 elements starts no OpenMP worker, of 32769
-# it does (tests/test_client_combine.py checks combine and forward_request start none).
+# it does (tests/unit/test_client_combine.py checks combine and forward_request start none).
 TORCH_INLINE_ELEMENTS = 32768
 
 # combine sums blocks of output rows of about this many elements, each block's answer rows
 # staged as float32 in a per-thread buffer kept between calls (~4 bytes per element per
 # answer holding a row: ~5.5 MiB at H = 4096; a fresh buffer that size costs more in page
-# faults than the sum). Per combine at M = 256 / 1024: 1.69 / 7.7 ms at 2^16, 1.41 / 6.0 at
-# 2^18, 1.50 / 6.0 at 2^19, 2.08 / 6.8 at 2^20.
+# faults than the sum). 2^18 measured fastest of 2^16 to 2^20 at M = 256, and as fast as
+# any at M = 1024.
 COMBINE_BLOCK_ELEMENTS = 1 << 18
-
-# The C form (client/native.py) sums blocks of output rows of this many elements in a float32
-# accumulator that stays in cache (256 KiB).
-NATIVE_BLOCK_ELEMENTS = 1 << 16
 
 _scratch = threading.local()  # combine runs on whichever thread calls it
 
@@ -202,38 +180,9 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
     if not answers or m * h == 0:
         out_bits.fill(0)
         return out
-    lib = native.library()
-    if lib is not None:
-        _sum_native(lib, out_bits, answers)
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
-            _sum(out, out_bits, answers)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
+        _sum(out, out_bits, answers)
     return out
-
-
-def _sum_native(lib, out_bits: np.ndarray, answers: list) -> None:
-    """The same sum in one C pass over the answers (client/csrc/combine.c)."""
-    m, h = out_bits.shape
-    n = len(answers)
-    rows = [np.ascontiguousarray(r, dtype=np.int64) for r, _ in answers]
-    counts = np.array([r.size for r in rows], dtype=np.int64)
-    rows_p = (ctypes.c_void_p * n)(*(r.ctypes.data for r in rows))
-    bits_p = (ctypes.c_void_p * n)(*(b.ctypes.data for _, b in answers))  # C-contiguous rows
-    block = max(1, NATIVE_BLOCK_ELEMENTS // h)
-    acc = _buffer("acc", min(m, block) * h, torch.float32)
-    rc = lib.expertd_combine_bf16(
-        out_bits.ctypes.data,
-        m,
-        h,
-        n,
-        ctypes.addressof(rows_p),
-        counts.ctypes.data,
-        ctypes.addressof(bits_p),
-        acc.data_ptr(),
-        block,
-    )
-    if rc:
-        raise ValueError("an answer's tokens must be distinct rows of the call, ascending")
 
 
 def _sum(out: torch.Tensor, out_bits: np.ndarray, answers: list) -> None:

@@ -4,7 +4,7 @@
 
 forward(hidden_states [..., H], topk_ids [..., K], topk_weights [..., K]) returns
 the layer's expert output in hidden_states' shape, dtype and device: the sum
-over routes of weight * expert(x), post-expert norm included (SPEC section 3).
+over routes of weight * expert(x), post-expert norm included (docs/protocol.md).
 It holds no parameters: the weights live on the shard servers.
 """
 

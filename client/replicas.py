@@ -2,10 +2,14 @@
 probe a dead one again. Touched only from the client's event loop, so no locks.
 
 An address leaves rotation on a failed call or Describe (UNAVAILABLE, refused
-connection, draining) and comes back when a probe's Describe answers; probes of
-a dead address back off exponentially (0.2 s doubling to `max_backoff`), and a
-live address is re-described every `refresh_s` so a restart with a new
-placement (new instance_id) is noticed.
+connection, draining, a Describe that makes no sense) and comes back when a
+probe's Describe answers; probes of a dead address back off exponentially
+(0.2 s doubling to `max_backoff`), and a live address is re-described every
+`refresh_s` so a restart with a new placement (new instance_id) is noticed.
+
+Busy is not down: a replica that refuses a call for overload (RESOURCE_EXHAUSTED
+while the request is within its limits) stays in rotation; the call backs off
+and tries again (client/aio.py).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from expertd.v1 import expertd_pb2 as pb
 # Statuses after which another replica may well succeed: the replica is down,
 # draining or its connection broke, or it restarted since we described it
 # (FAILED_PRECONDITION: it is re-described before it gets another call). Never
-# the caller's mistake (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED...), never
-# DEADLINE_EXCEEDED (the deadline is the call's).
+# the caller's mistake (INVALID_ARGUMENT, NOT_FOUND...), never DEADLINE_EXCEEDED
+# (the deadline is the call's). RESOURCE_EXHAUSTED is overload when the request
+# is within the server's limits: retried after a pause, the replica kept.
 RETRYABLE = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -32,6 +37,10 @@ RETRYABLE = frozenset(
         grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
+# Of those, the ones that do not take the replica out of rotation: a call the
+# server (or gRPC on its behalf) cancelled says nothing about the replica's health;
+# if it is down, the next call or probe finds out.
+KEEPS_REPLICA = frozenset({grpc.StatusCode.CANCELLED})
 
 
 @dataclass(slots=True, eq=False)
@@ -69,9 +78,14 @@ class Pool:
         return changed
 
     def mark_down(self, ep: Endpoint, why: str) -> None:
-        ep.alive, ep.why = False, why
-        ep.failures += 1
-        backoff = min(self.base_backoff * 2 ** (ep.failures - 1), self.max_backoff)
+        """Out of rotation until a probe answers. The probe backoff grows with each
+        failed probe, not with each call that failed meanwhile: the calls in flight
+        when a replica went down all fail at once, and that is one failure."""
+        was_alive, ep.alive, ep.why = ep.alive, False, why
+        if not was_alive and ep.next_probe > time.monotonic():
+            return  # already down, its next probe is set
+        ep.failures = min(ep.failures + 1, 32)
+        backoff = min(self.base_backoff * 2.0 ** (ep.failures - 1), self.max_backoff)
         ep.next_probe = time.monotonic() + backoff
 
     def due(self, now: float) -> list[Endpoint]:

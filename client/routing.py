@@ -64,6 +64,27 @@ class Topology:
         return table
 
 
+def describe_problem(d: pb.DescribeResponse) -> str | None:
+    """What makes a Describe answer unusable for routing, or None."""
+    for name in ("hidden_size", "intermediate_size", "num_experts"):
+        if getattr(d, name) == 0:
+            return f"{name} is 0"
+    e = d.num_experts
+    bad = [x for x in d.experts if x >= e]
+    if bad:
+        return f"expert ids {_few(bad)} are outside [0, {e}) (num_experts {e})"
+    if len(set(d.experts)) != len(d.experts):
+        return "expert ids repeat"
+    if d.top_k > e:
+        return f"top_k {d.top_k} is larger than num_experts {e}"
+    return None
+
+
+def _few(values, limit: int = 8) -> str:
+    text = ",".join(map(str, values[:limit]))
+    return text + (f",... ({len(values)} in all)" if len(values) > limit else "")
+
+
 def assign_owners(candidates: torch.Tensor, topk_ids: torch.Tensor, turn: int = 0) -> torch.Tensor:
     """int64 [E + 1]: the one shard each expert's routes go to in this call, -1 if none.
 

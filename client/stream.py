@@ -8,13 +8,25 @@ for large ones, so it is the default; `transport="unary"` switches it off.
 Failures look like the unary call's: a per-request error answer raises
 StreamCallError with its status; a broken or closed stream fails every call in
 flight on it with UNAVAILABLE (so the client retries them on another replica)
-and is reopened by the next call.
+and is reopened by the next call; an answer that cannot be decoded fails them
+with INTERNAL (a server that does not speak the protocol: not retried).
+
+One writer task per stream sends the requests in order; a call never writes
+itself, so a call that times out never cancels a write half-way (grpc.aio
+cancels the whole stream then). A request whose call has already given up is
+not sent, and each request's timeout is what is left of its call's when it is
+written, so the server never computes answers nobody waits for. A stream that
+gives no answer at all for a whole call's timeout while calls wait on it is
+retired: new calls go to a fresh stream, the old one ends once its calls have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import time
+from collections import deque
 
 import grpc
 
@@ -38,79 +50,140 @@ class StreamCallError(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+class _Conn:
+    """One open ForwardStream call: its writer and reader tasks, the requests
+    waiting to be written, and the calls waiting for an answer."""
+
+    __slots__ = ("call", "ended", "last_answer", "outbox", "pending", "reader", "wake", "writer")
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.outbox: deque[tuple[pb.ForwardRequest, asyncio.Future, float]] = deque()
+        self.wake = asyncio.Event()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.last_answer = time.monotonic()  # of the last answer read (or the opening)
+        self.ended = False
+        self.reader: asyncio.Task | None = None
+        self.writer: asyncio.Task | None = None
+
+
 class ForwardStream:
     """The multiplexed stream to one replica (used from the client's event loop only)."""
 
     def __init__(self, stub, metadata: tuple[tuple[str, str], ...]) -> None:
         self._stub = stub
         self._metadata = metadata  # fixed for the stream's life: client metadata + token
-        self._call = None
-        self._reader: asyncio.Task | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._conn: _Conn | None = None  # the stream new calls go to
+        self._retired: set[_Conn] = set()  # stalled streams, ending once their calls have
         self._ids = itertools.count(1)
-        self._write = asyncio.Lock()  # one write at a time on a call
 
     async def forward(self, request: pb.ForwardRequest, timeout: float) -> pb.ForwardResponse:
         """Send `request` (its request_id is overwritten) and wait for its answer."""
         request.request_id = rid = next(self._ids)
-        request.timeout_us = max(int(timeout * 1e6), 1)  # the server drops it once passed
+        deadline = time.monotonic() + timeout
         answer = asyncio.get_running_loop().create_future()
-        self._pending[rid] = answer
+        conn = self._conn if self._conn is not None else self._open()
+        conn.pending[rid] = answer
+        conn.outbox.append((request, answer, deadline))
+        conn.wake.set()
         try:
-            async with self._write:
-                if self._call is None:
-                    self._open()
-                await asyncio.wait_for(self._call.write(request), timeout)
             reply = await asyncio.wait_for(asyncio.shield(answer), timeout)
         except TimeoutError:
+            if not answer.done():
+                answer.cancel()  # not written yet: the writer skips it
+            self._check_stalled(conn, timeout)
             raise StreamCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
-        except StreamCallError:  # the stream broke while this call was in flight
-            raise
-        except (grpc.RpcError, asyncio.InvalidStateError) as e:  # the write failed: stream gone
-            self._pending.pop(rid, None)
-            why = e.details() if isinstance(e, grpc.RpcError) else "stream already ended"
-            self._broken(grpc.StatusCode.UNAVAILABLE, why)
-            raise StreamCallError(grpc.StatusCode.UNAVAILABLE, f"stream broke: {why}") from None
         finally:
-            self._pending.pop(rid, None)
+            conn.pending.pop(rid, None)
+            if conn in self._retired and not conn.pending:
+                self._end(conn, grpc.StatusCode.CANCELLED, "retired stream drained")
         if reply.HasField("error"):
             code = _CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN)
             raise StreamCallError(code, reply.error.message)
         return reply
 
-    def _open(self) -> None:
-        self._call = self._stub.ForwardStream(metadata=self._metadata)
-        self._reader = asyncio.ensure_future(self._read(self._call))
+    def _open(self) -> _Conn:
+        conn = self._conn = _Conn(self._stub.ForwardStream(metadata=self._metadata))
+        conn.reader = asyncio.ensure_future(self._read(conn))
+        conn.writer = asyncio.ensure_future(self._write(conn))
+        return conn
 
-    async def _read(self, call) -> None:
-        code, why = grpc.StatusCode.UNAVAILABLE, "stream ended by the server"
+    async def _write(self, conn: _Conn) -> None:
+        """Send the queued requests in order, skipping those whose call gave up."""
         try:
-            async for reply in call:
-                answer = self._pending.get(reply.request_id)
+            while True:
+                while not conn.outbox:
+                    conn.wake.clear()
+                    await conn.wake.wait()
+                request, answer, deadline = conn.outbox.popleft()
+                left = deadline - time.monotonic()
+                if answer.done() or left <= 0:
+                    continue
+                request.timeout_us = max(int(left * 1e6), 1)  # the server drops it once passed
+                await conn.call.write(request)
+        except asyncio.CancelledError:
+            raise
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:  # the stream is gone
+            why = e.details() if isinstance(e, grpc.RpcError) else "stream already ended"
+            self._end(conn, grpc.StatusCode.UNAVAILABLE, f"write failed: {why}")
+        except Exception as e:  # e.g. a request that cannot be serialized: never a silent stall
+            self._end(conn, grpc.StatusCode.INTERNAL, f"write failed: {e}", final=True)
+
+    async def _read(self, conn: _Conn) -> None:
+        code, why, final = grpc.StatusCode.UNAVAILABLE, "stream ended by the server", False
+        try:
+            async for reply in conn.call:
+                if reply is None:  # grpc.aio's answer for bytes the deserializer refused
+                    code, why, final = grpc.StatusCode.INTERNAL, "undecodable answer", True
+                    break
+                conn.last_answer = time.monotonic()
+                answer = conn.pending.get(reply.request_id)
                 if answer is not None and not answer.done():
                     answer.set_result(reply)
         except grpc.RpcError as e:
             code, why = e.code(), e.details()
         except asyncio.CancelledError:
             why = "stream closed by the client"
-        if self._call is call:
-            self._broken(code, why)
+        except Exception as e:  # never leave calls waiting on a reader that died
+            code, why, final = grpc.StatusCode.INTERNAL, f"reading answers failed: {e}", True
+        self._end(conn, code, why, final)
 
-    def _broken(self, code: grpc.StatusCode, why: str) -> None:
-        """Fail everything in flight with a retryable status; the next call reopens."""
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        # Retryable on another replica, except a refusal of our credentials.
-        auth = code == grpc.StatusCode.UNAUTHENTICATED
-        status = code if auth else grpc.StatusCode.UNAVAILABLE
-        for answer in self._pending.values():
+    def _check_stalled(self, conn: _Conn, timeout: float) -> None:
+        """Retire `conn` when it answered nothing for a whole call's timeout while
+        calls waited on it (a wedged stream): new calls get a fresh one."""
+        if conn.ended or conn is not self._conn or not conn.pending:
+            return
+        if time.monotonic() - conn.last_answer >= 0.9 * timeout:  # (timers fire a hair early)
+            self._conn = None
+            self._retired.add(conn)
+
+    def _end(self, conn: _Conn, code: grpc.StatusCode, why: str, final: bool = False) -> None:
+        """Fail every call waiting on `conn` and cancel it; the next call reopens.
+
+        The status is UNAVAILABLE (retryable on another replica), except a refusal of
+        our credentials and, when `final`, the server's own failure to speak the
+        protocol (`code` as given)."""
+        if conn.ended:
+            return
+        conn.ended = True
+        if self._conn is conn:
+            self._conn = None
+        self._retired.discard(conn)
+        conn.call.cancel()
+        keep = final or code == grpc.StatusCode.UNAUTHENTICATED
+        status = code if keep else grpc.StatusCode.UNAVAILABLE
+        for answer in conn.pending.values():
             if not answer.done():
                 answer.set_exception(StreamCallError(status, f"stream: {code.name}: {why}"))
                 answer.exception()  # its waiter may have timed out: no "never retrieved" log
+        conn.outbox.clear()
+        me = asyncio.current_task()
+        for task in (conn.reader, conn.writer):
+            if task is not None and task is not me:
+                task.cancel()
 
     def close(self) -> None:
-        if self._call is not None:
-            self._broken(grpc.StatusCode.CANCELLED, "client closed")
-        if self._reader is not None:
-            self._reader.cancel()
+        for conn in [self._conn, *self._retired]:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._end(conn, grpc.StatusCode.CANCELLED, "client closed")

@@ -36,8 +36,9 @@ class ExpertClient:
         """Discovers the shards before returning (CoverageError when none answers).
 
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
-        token, tls, max_attempts, retry_backoff, refresh_s, transport: "auto" picks
-        shared memory for each shard on this host, see docs/dataplane.md)."""
+        token, tls, max_attempts, retry_backoff, refresh_s, transport,
+        attempt_share, busy_retries, busy_backoff). transport "auto" (the default)
+        picks shared memory for each shard on this host, see docs/dataplane.md."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
         self._loop = shared_loop("expertd-client")

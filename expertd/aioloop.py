@@ -1,13 +1,15 @@
 """Asyncio event loops on threads of their own, for the sync client and the background server.
 
-The sync clients share one loop that is never closed (shared_loop): grpc.aio delivers the
-events of every loop of a process from one poller, and an event for a closed loop raises
-there ("Event loop is closed") and leaves the events queued behind it until the next
-wake-up. A loop that is closed (stop_loop_thread: the background server's) ends its tasks
-first, as asyncio.run does: grpc.aio leaves a task per stream call awaiting the call's
-status, and a loop closed with such tasks pending logs "Task was destroyed but it is
-pending!" once for each (the sync client, when each had its own loop, logged one per shard
-stream at every close).
+grpc.aio delivers the events of every event loop of a process from one poller, and an
+event for a loop that has been closed raises there ("Event loop is closed"): in the loop
+that drained the poller, which logs it, and which leaves the events queued behind it (for
+live loops too) until the next wake-up. grpc.aio can owe a loop events after everything on
+it has ended: a cancelled call's operations complete in the core shortly after the cancel
+(a deadline passed, a client closed, a server stopped). So the loops started here are
+never closed. The sync clients share one that runs until the process ends (shared_loop).
+A loop stopped with stop_loop_thread (the background server's) ends its tasks first, as
+asyncio.run does, and is then kept, stopped but open, for the next start_loop_thread:
+an event that arrives for it meanwhile waits on it and runs when it runs again.
 
 grpc.aio binds every event loop that uses it to one process-wide completion queue and wakes all
 of them on each event; the loops that lose the race raise BlockingIOError in
@@ -61,10 +63,22 @@ def shared_loop(name: str) -> asyncio.AbstractEventLoop:
         return entry[0]
 
 
+_parked: list[tuple[asyncio.AbstractEventLoop, int]] = []  # stopped, open loops and their pid
+_parked_lock = threading.Lock()
+
+
 def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    """A new event loop (quiet_grpc_wakeups) running forever on a new daemon thread `name`."""
-    loop = asyncio.new_event_loop()
-    quiet_grpc_wakeups(loop)
+    """An event loop (quiet_grpc_wakeups) running forever on a new daemon thread `name`: one
+    that stop_loop_thread stopped in this process if there is one, else a new one."""
+    loop = None
+    with _parked_lock:
+        while _parked and loop is None:
+            candidate, pid = _parked.pop()
+            if pid == os.getpid() and not candidate.is_closed():
+                loop = candidate  # (a forked child never runs its parent's loops)
+    if loop is None:
+        loop = asyncio.new_event_loop()
+        quiet_grpc_wakeups(loop)
     thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
     thread.start()
     return loop, thread
@@ -72,27 +86,41 @@ def start_loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.T
 
 async def _end_other_tasks(timeout: float) -> None:
     """Cancel every task of the running loop but this one and wait (up to `timeout`) for them
-    to end; then close its async generators."""
+    to end."""
     me = asyncio.current_task()
     tasks = [t for t in asyncio.all_tasks() if t is not me]
     for task in tasks:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
-    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 def stop_loop_thread(
     loop: asyncio.AbstractEventLoop, thread: threading.Thread, timeout: float = 10.0
 ) -> None:
-    """Stop a loop of start_loop_thread: end its tasks (_end_other_tasks), stop it, join its
-    thread and close it. Call from another thread; a closed loop is left as it is."""
-    if loop.is_closed():
+    """Stop a loop of start_loop_thread: end its tasks (_end_other_tasks), stop it and join
+    its thread. The loop is not closed (grpc.aio may still owe it events): it is kept for
+    the next start_loop_thread. Call from another thread, once per start_loop_thread."""
+    if loop.is_closed() or not thread.is_alive():
         return
-    if thread.is_alive():
-        # (a loop that no longer runs times out here: nothing of it runs again anyway)
-        with contextlib.suppress(TimeoutError, RuntimeError):
-            asyncio.run_coroutine_threadsafe(_end_other_tasks(timeout / 2), loop).result(timeout)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=timeout)
-    loop.close()
+    # (a loop that no longer runs times out here: nothing of it runs again anyway)
+    with contextlib.suppress(TimeoutError, RuntimeError):
+        asyncio.run_coroutine_threadsafe(_end_other_tasks(timeout / 2), loop).result(timeout)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=timeout)
+    if not thread.is_alive():
+        with _parked_lock:
+            _parked.append((loop, os.getpid()))
+
+
+def run(coro, name: str = "expertd-run"):
+    """Run `coro` to its end as asyncio.run does (its other tasks are cancelled after it),
+    on a loop thread of start_loop_thread, and return its result. Unlike asyncio.run, the
+    loop is not closed afterwards: for a process with other grpc.aio loops (the sync
+    client's, an embedded server's), where grpc.aio can still owe events to the loop of an
+    AsyncExpertClient that has just been closed."""
+    loop, thread = start_loop_thread(name)
+    try:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+    finally:
+        stop_loop_thread(loop, thread)

@@ -106,6 +106,12 @@ def _serve_parser(sub) -> None:
         default=_env("TLS_CLIENT_CA"),
         help="require client certs signed by this CA",
     )
+    sec.add_argument(
+        "--allow-client-shm",
+        action="store_true",
+        default=_env("ALLOW_CLIENT_SHM", False, lambda v: v.lower() in ("1", "true", "yes")),
+        help="let OIP clients register system / CUDA shared-memory regions for their tensors",
+    )
 
 
 def _resolve_device(name: str) -> str:
@@ -166,6 +172,7 @@ def cmd_serve(args) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        allow_client_shm=args.allow_client_shm,
         metrics_port=args.metrics_port,
         health_listen=args.health_listen,
     )

@@ -1,6 +1,6 @@
 """`expertd cluster`: start N local shard servers, keep them up, stop them together.
 
-One `expertd serve` child per shard (server/launcher.py starts it). `--gpus 0,1,...` pins
+One `expertd serve` child per shard (expertd/launcher.py starts it). `--gpus 0,1,...` pins
 shard s to GPU gpus[s % len(gpus)] through CUDA_VISIBLE_DEVICES, so eight GPUs give one
 shard each and `--gpus 0` puts every shard on one GPU; without `--gpus` every child gets
 `--device` (cpu, or auto). A child that dies is started again on the address it had, so a
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from expertd.server.launcher import (
+from expertd.launcher import (
     ShardProcess,
     health_status,
     start_shard,

@@ -1,4 +1,4 @@
-"""Tensors on the wire (SPEC section 4): raw little-endian row-major bytes with
+"""Tensors on the wire (docs/protocol.md): raw little-endian row-major bytes with
 dtype and shape beside them. Shared by the server and the client."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The interface between the server and the math: a Backend prepares a shard layer
 once (repack, make resident) and runs the forward on it.
 
-The server picks a backend by name and never branches on which one it got.
+The server picks a backend by name (kernels/lookup.py) and never branches on which
+one it got. Backend modules register themselves here when imported; this module
+imports none of them.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -72,31 +72,10 @@ _FACTORIES: dict[str, Callable[[torch.device], Backend]] = {"reference": Referen
 
 
 def register_backend(name: str, factory: Callable[[torch.device], Backend]) -> None:
+    """Make backend `name` available; a backend module calls this when imported."""
     _FACTORIES[name] = factory
 
 
-def backend_names() -> list[str]:
-    _load_optional()
-    return sorted(_FACTORIES)
-
-
-def default_backend_name(device: torch.device) -> str:
-    _load_optional()
-    return "cuda" if device.type == "cuda" and "cuda" in _FACTORIES else "reference"
-
-
-def create_backend(name: str, device: torch.device | str) -> Backend:
-    """Build backend `name` on `device`; a clear error for an unknown or unusable pair."""
-    device = torch.device(device)
-    _load_optional()
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown backend {name!r}; available: {', '.join(sorted(_FACTORIES))}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda requested but torch sees no CUDA device")
-    return _FACTORIES[name](device)
-
-
-def _load_optional() -> None:
-    """Register the compiled backend when its module is present (it registers itself)."""
-    if "cuda" not in _FACTORIES and importlib.util.find_spec("expertd.kernels.cuda") is not None:
-        importlib.import_module("expertd.kernels.cuda")
+def registered() -> dict[str, Callable[[torch.device], Backend]]:
+    """The backends registered so far, by name (see lookup.py for finding one by name)."""
+    return dict(_FACTORIES)

@@ -11,6 +11,7 @@ Shape legend: M tokens, K top_k, H hidden, I intermediate, E experts, El local e
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 
@@ -51,18 +52,18 @@ class _Args(ctypes.Structure):
 
 
 _LIB: ctypes.CDLL | None = None
-_LIB_LOCK = threading.Lock()
-_INITIALIZED: set[int] = set()
+_OPENED: dict[str, ctypes.CDLL] = {}
+_LIB_LOCK = threading.RLock()
+_INITIALIZED: set[tuple[int, int]] = set()  # (library handle, device index)
 
 
-def load_library() -> ctypes.CDLL:
-    """Build (first time) and load the kernel library."""
-    global _LIB
+def open_library(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load the kernel library at `path` (once per path) with its C functions declared."""
+    key = os.path.realpath(path)
     with _LIB_LOCK:
-        if _LIB is None:
-            from expertd.kernels.build import library_path
-
-            lib = ctypes.CDLL(str(library_path()))
+        lib = _OPENED.get(key)
+        if lib is None:
+            lib = ctypes.CDLL(key)
             lib.expertd_last_error.restype = ctypes.c_char_p
             lib.expertd_pick_bt.restype = ctypes.c_int
             lib.expertd_pick_bt.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
@@ -79,37 +80,25 @@ def load_library() -> ctypes.CDLL:
             lib.expertd_kernel_path.argtypes = [ctypes.c_int]
             lib.expertd_moe_forward.restype = ctypes.c_int
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
-            lib.expertd_set_timeline.restype = ctypes.c_int
-            lib.expertd_set_timeline.argtypes = [ctypes.c_void_p]
-            lib.expertd_timeline_words.restype = ctypes.c_int
-            _LIB = lib
+            _OPENED[key] = lib
+        return lib
+
+
+def load_library() -> ctypes.CDLL:
+    """Build (first time) and load the kernel library (kernels/build.py: library_path)."""
+    global _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            from expertd.kernels.build import library_path
+
+            _LIB = open_library(library_path())
         return _LIB
 
 
-def kernel_path(bt: int = 0) -> int:
-    """The GEMM path (6 or 8) a forward with tile size `bt` takes now; bt = 0: the path
-    forced by `EXPERTD_KERNEL_PATH=6|8`, or 0 when none is (then v8, the wgmma GEMM, where the
-    tile size has it: BT 16 and from BT = 32; v6 for BT 8 and 24; moe_nvfp4.cu; any other value
-    forces nothing).
-
-    Read per call, so a CUDA graph keeps the path it was captured with."""
+def kernel_path(bt: int) -> int:
+    """The GEMM path of a forward with tile size `bt`: 6 (mma.sync, BT 8), 8 (wgmma, BT 16 to
+    160), 0 when the library has no configuration for `bt` (moe_nvfp4.cu)."""
     return int(load_library().expertd_kernel_path(bt))
-
-
-def timeline_words() -> int:
-    """The size (int64 words) of the buffer set_timeline takes: a record of 5 words per block
-    (4 event times and the SM) for up to 131072 blocks per kernel, 4 kernels."""
-    return int(load_library().expertd_timeline_words())
-
-
-def set_timeline(buf: torch.Tensor | None) -> None:
-    """Point the kernels' timeline marks at `buf` (int64 [timeline_words()] on the GPU; see
-    benchmarks/timeline.py) or turn them off (None). Needs the library built with
-    EXPERTD_KERNEL_TIMELINE=1 (set before the first use of the library)."""
-    lib = load_library()
-    if buf is not None and buf.numel() < timeline_words():
-        raise ValueError(f"timeline buffer has {buf.numel()} words, needs {timeline_words()}")
-    _check(lib, lib.expertd_set_timeline(None if buf is None else buf.data_ptr()), "timeline")
 
 
 def pick_bt(m: int, top_k: int, num_experts: int) -> int:
@@ -194,7 +183,15 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str = "cuda", max_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        max_tokens: int = 0,
+        *,
+        library: str | os.PathLike | None = None,
+    ) -> None:
+        """`library`: the path of another build of the kernel library to run (a benchmark timing
+        two builds in one process); None: the default build (load_library)."""
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"the cuda backend runs on a cuda device, not {self.device}")
@@ -202,11 +199,12 @@ class CudaBackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_tokens = max_tokens
         self._workspace: torch.Tensor | None = None
-        self._lib = load_library()
+        self._lib = load_library() if library is None else open_library(library)
         with torch.cuda.device(self.device):
-            if self.device.index not in _INITIALIZED:
+            key = (self._lib._handle, self.device.index)
+            if key not in _INITIALIZED:
                 _check(self._lib, self._lib.expertd_init(), "expertd_init")
-                _INITIALIZED.add(self.device.index)
+                _INITIALIZED.add(key)
 
     # -- Backend protocol ---------------------------------------------------------------------
 
@@ -251,7 +249,7 @@ class CudaBackend:
         topk_ids: torch.Tensor,  # int32 [M, K] (int64 accepted: converted, an extra kernel)
         topk_weights: torch.Tensor,  # fp32 [M, K] (bf16 accepted: converted)
         out: torch.Tensor,  # bf16 [M, H]
-        bt: int = 0,  # tokens per tile; 0 = choose from M
+        bt: int = 0,  # tokens per tile (a compiled one: 8, 16, 32, ... 160); 0 = expertd_pick_bt
     ) -> torch.Tensor:
         h = state.hidden_size
         if x.dim() != 2 or x.shape[1] != h or x.dtype != torch.bfloat16:

@@ -1,4 +1,4 @@
-"""NVFP4 (ModelOpt) weight codec: the checkpoint form of SPEC section 2, in plain torch.
+"""NVFP4 (ModelOpt) weight codec: the checkpoint form of docs/protocol.md, in plain torch.
 
 A projection W of shape [N, K] is stored as
 

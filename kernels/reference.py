@@ -1,4 +1,4 @@
-"""Plain-torch reference of one shard's expert forward (SPEC section 3).
+"""Plain-torch reference of one shard's expert forward (docs/protocol.md).
 
 It is the oracle of every test and the `reference` backend of the server.
 
@@ -62,7 +62,7 @@ def reference_forward(
     topk_weights: torch.Tensor,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The oracle: evaluate SPEC section 3 in `dtype` (dequantizing only the experts
+    """The oracle: evaluate docs/protocol.md in `dtype` (dequantizing only the experts
     the call hits); returns [M, H] in `dtype`."""
     local_of = layer.global_to_local("cpu")
     slots = local_of.long()[topk_ids.cpu().long() % local_of.numel()]

@@ -27,10 +27,10 @@ from expertd.kernels.nvfp4 import Nvfp4Weight, unpack_codes
 
 # E2M1 -> bf16 by moving bits: output register reg of a code word q holds two values, each with
 # its sign at bf16 bit 15 and its 3 magnitude bits at 6-8 (exponent LSBs + mantissa MSB): value *
-# 2^-126 exactly. 8 ops for 4 registers (benchmarks/e2m1_layout_search.py, session 23): a mask,
-# two rotations then a mask each, and one carry-free multiply of a masked word making three
-# copies, (x & M) * (2^2 + 2^7 + 2^12), then a mask (session 7's layout took 10 with two-copy
-# multiplies, the one before it 11). The kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu) does the same
+# 2^-126 exactly. 8 ops for 4 registers (the fewest a search over masks, shifts, rotations,
+# byte permutes and carry-free multiplies found): a mask, two rotations then a mask each, and
+# one carry-free multiply of a masked word making three copies, (x & M) * (2^2 + 2^7 + 2^12),
+# then a mask (earlier layouts took 10 and 11 ops). The kernel (e2m1x8_to_bf16x8, moe_nvfp4.cu) does the same
 # operations; the repack puts each code bit where they take it from (_code_bit_positions).
 _P = 0x81C081C0  # bf16 bits 15, 8, 7, 6 of both halves
 _M32 = 0xFFFFFFFF

@@ -27,7 +27,7 @@ from expertd.server.metrics import Metrics
 from expertd.server.oip import InferenceServicer
 from expertd.server.runner import BatchRunner
 from expertd.server.security import BearerAuthInterceptor, server_credentials
-from expertd.server.service import ExpertServicer
+from expertd.server.service import ExpertServicer, server_options
 from expertd.server.validate import Limits
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import inference_pb2 as oip
@@ -52,6 +52,7 @@ class RunningServer:
     metrics_port: int | None = None
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     health_port: int | None = None
+    inference: InferenceServicer | None = None  # the OIP service (holds shared-memory regions)
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
@@ -74,6 +75,8 @@ class RunningServer:
         if self.health_server is not None:
             await self.health_server.stop(0)
         await self.servicer.close()
+        if self.inference is not None:
+            self.inference.close()  # unregisters every shared-memory region
         self.metrics.close()
 
 
@@ -140,6 +143,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     limits, options = message_limits(config, hidden_size)
     interceptors = [BearerAuthInterceptor(config.auth_token)] if config.auth_token else []
     interceptors.append(MalformedRequestInterceptor())
+    options += server_options(config.max_inflight)  # overload: RESOURCE_EXHAUSTED, counted
     server = grpc.aio.server(options=options, interceptors=interceptors)
     metrics = Metrics()
     servicer = ExpertServicer(
@@ -151,7 +155,8 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         max_inflight=config.max_inflight,
     )
     add_expert_service(servicer, server)
-    oip_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(servicer), server)
+    inference = InferenceServicer(servicer, allow_shm=config.allow_client_shm)
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -168,6 +173,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     running = RunningServer(
         server, servicer, health_servicer, _bound(config.listen, port), port, metrics
     )
+    running.inference = inference
     if config.metrics_port is not None:
         running.metrics_port = metrics.serve(config.metrics_port)
     if config.health_listen:
@@ -299,7 +305,7 @@ class BackgroundServer:
         return self._running.servicer
 
     def stop(self, grace_s: float = 0.0) -> None:
-        if self._loop.is_closed():
+        if not self._thread.is_alive():  # stopped already (its loop may run another server now)
             return
         self._call(self._running.drain_and_stop(grace_s), timeout=grace_s + 30)
         stop_loop_thread(self._loop, self._thread)

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from expertd.kernels.backend import Backend, create_backend, default_backend_name
+from expertd.kernels.backend import Backend
 from expertd.kernels.layer import ShardLayer
+from expertd.kernels.lookup import create_backend, default_backend_name
 from expertd.server.config import ServerConfig, parse_expert_list, shard_experts
 
 log = logging.getLogger("expertd.server")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from expertd.codec import encode_forward_response
@@ -47,6 +48,14 @@ SENT = b""  # a Job's result when its sink took the answer
 # Batches of up to this many tokens run on the event loop when nothing else is in
 # flight on the GPU (see above); 0 turns that off.
 INLINE_TOKENS = 16
+
+
+class Overloaded(RequestError):
+    """RESOURCE_EXHAUSTED for overload (a limit on requests waiting or in flight,
+    not one on the request itself): the client may retry later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}: retry later")
 
 
 @dataclass(slots=True)
@@ -116,13 +125,12 @@ class Batcher:
     def submit(self, job: Job) -> None:
         """Queue a validated request, or refuse it when the queue is full."""
         p = self.policy
-        if len(self._queue) >= p.max_queue_requests or (
-            self._queue and self._queued_tokens + job.tokens > p.max_queue_tokens
-        ):
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+        full = len(self._queue) >= p.max_queue_requests
+        if full or (self._queue and self._queued_tokens + job.tokens > p.max_queue_tokens):
+            self.metrics.overload.labels("queue_requests" if full else "queue_tokens").inc()
+            raise Overloaded(
                 f"server queue full: {len(self._queue)} requests / {self._queued_tokens} tokens "
-                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens})",
+                f"waiting (limits {p.max_queue_requests} / {p.max_queue_tokens})"
             )
         self._queue.append(job)
         self._queued_tokens += job.tokens
@@ -313,7 +321,9 @@ class Batcher:
             for job in jobs:
                 rows = job.tokens
                 if rows and result.bad_rows[row : row + rows].any():
-                    results.append(_not_finite(job.args))
+                    error, cause = _not_finite(job.args, result.out_bytes[row : row + rows])
+                    self.metrics.nonfinite.labels(cause).inc()
+                    results.append(error)
                 else:
                     timing = pb.Timing(
                         queue_us=(started - job.received_ns) // 1000,
@@ -370,11 +380,21 @@ def _settle(jobs: list[Job], results: list) -> None:
                 job.future.set_result(result)
 
 
-def _not_finite(args: ForwardArgs) -> RequestError:
-    """Name the first non-finite input element (rare path: a host scan is fine)."""
+def _not_finite(args: ForwardArgs, out_bytes) -> tuple[RequestError, str]:
+    """-> (the error, its cause "input" or "output"), naming the first non-finite
+    input element, else the first token whose output is not finite (finite but
+    huge inputs overflow). A rare path: host scans are fine."""
     for name, t in (("hidden_states", args.x), ("topk_weights", args.weights)):
         mask = ~torch.isfinite(t)
         if bool(mask.any()):
             r, c = (int(v) for v in mask.nonzero()[0])
-            return invalid(f"{name}[{r}, {c}] is {float(t[r, c])}: NaN/Inf inputs are refused")
-    return invalid("non-finite input")
+            return invalid(
+                f"{name}[{r}, {c}] is {float(t[r, c])}: NaN/Inf inputs are refused"
+            ), "input"
+    bits = np.ascontiguousarray(out_bytes).view(np.uint16)  # bf16: exponent all ones
+    rows = np.flatnonzero(((bits & 0x7F80) == 0x7F80).any(axis=1))
+    token = int(rows[0]) if rows.size else 0
+    return invalid(
+        f"output overflowed bf16 at token {token}: its hidden_states or topk_weights "
+        "are too large (finite inputs, but the result is not)"
+    ), "output"

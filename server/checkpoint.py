@@ -1,4 +1,4 @@
-"""NVFP4 checkpoints on disk (SPEC section 2): the synthetic writer and the lazy reader.
+"""NVFP4 checkpoints on disk (docs/protocol.md): the synthetic writer and the lazy reader.
 
 Layout, one safetensors file per layer plus an index (Hugging Face convention):
 

@@ -43,6 +43,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed
+    # OIP shared-memory extensions: clients may register their shared memory (off by default,
+    # as in Triton: a registered client reads and writes any object the server may open).
+    allow_client_shm: bool = False
     # Observability.
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
     health_listen: str | None = None  # extra plaintext grpc.health.v1-only address
@@ -74,7 +77,7 @@ def parse_expert_list(text: str) -> list[int]:
 
 
 def shard_experts(num_experts: int, shard: int, num_shards: int) -> list[int]:
-    """Shard s of n owns the contiguous range [s*E/n, (s+1)*E/n) (SPEC section 1)."""
+    """Shard s of n owns the contiguous range [s*E/n, (s+1)*E/n) (docs/protocol.md)."""
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
     if num_shards > num_experts:

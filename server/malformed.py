@@ -1,5 +1,5 @@
 """Requests whose bytes do not parse as the method's message are the caller's
-mistake: INVALID_ARGUMENT naming the method (SPEC section 5), not grpc's
+mistake: INVALID_ARGUMENT naming the method (docs/protocol.md), not grpc's
 UNKNOWN "Unexpected DecodeError"."""
 
 from __future__ import annotations

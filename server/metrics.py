@@ -34,6 +34,20 @@ class Metrics:
             "expertd_requests", "Requests by method and status code", ["method", "code"], registry=r
         )
         self.tokens = Counter("expertd_tokens", "Tokens computed", registry=r)
+        self.overload = Counter(
+            "expertd_overload",
+            "Requests refused with RESOURCE_EXHAUSTED for overload, by the limit reached: "
+            "inflight (--max-inflight), queue_requests, queue_tokens",
+            ["limit"],
+            registry=r,
+        )
+        self.nonfinite = Counter(
+            "expertd_nonfinite",
+            "Requests refused for NaN/Inf, by cause: in the input, or an output that "
+            "overflowed (finite but huge inputs)",
+            ["cause"],
+            registry=r,
+        )
         self.batch_tokens = Histogram(
             "expertd_batch_tokens", "Tokens per merged forward", buckets=_TOKEN_BUCKETS, registry=r
         )

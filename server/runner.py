@@ -1,14 +1,14 @@
 """Running merged batches on the backend's device.
 
 Several requests' host tensors go in; one bf16 [M, H] output and a per-row
-"input was not finite" flag come out, on the host (`staging.Result`).
+"input or output was not finite" flag come out, on the host (`staging.Result`).
 
 A batch runs in one of `depth` slots. `launch` gathers it and starts it,
 `Flight.wait` returns its results, `Flight.release` hands the slot back once
 they have been read; `run` does all three.
 
 On CUDA each slot has a packed pinned host buffer and packed device buffers
-per direction (kernels/graphs.py `Layout`): the requests are gathered into the
+per direction (server/graphs.py `Layout`): the requests are gathered into the
 slot's pinned input with numpy (server/staging.py), ONE host-to-device copy on
 the upload stream moves them, the compute stream replays the slot's CUDA graph
 for the batch's bucket (or runs the forward eager), and ONE device-to-host copy
@@ -17,11 +17,12 @@ on the download stream brings back [bad flags | output]. Events order upload
 ever runs on the compute stream. With depth 2, batch n+1 is gathered and
 copied in while batch n computes, and batch n-1's results come back meanwhile.
 The host waits for nothing but a batch's own download event, before its
-results are read. The NaN/Inf check runs on the device (inside the graph) and
-its flags come back in the same copy as the output.
+results are read. The NaN/Inf check (of the inputs and of the output, which
+finite but huge inputs overflow) runs on the device (inside the graph) and its
+flags come back in the same copy as the output.
 
 Batches of up to FUSED_ROWS tokens run a graph that holds the copies too
-(kernels/graphs.py): gathered into the slot's fixed pinned buffers, they are one
+(server/graphs.py): gathered into the slot's fixed pinned buffers, they are one
 replay on the compute stream and one event, a third of the host time of the
 path above (the copies of a small batch take microseconds, so overlapping them
 with other batches' compute is worth less than the Python calls it needs).
@@ -40,7 +41,8 @@ import time
 import numpy as np
 import torch
 
-from expertd.kernels.graphs import (
+from expertd.server.bank import ExpertBank
+from expertd.server.graphs import (
     DEFAULT_BUCKETS,
     GraphBank,
     Layout,
@@ -48,7 +50,6 @@ from expertd.kernels.graphs import (
     forward_checked,
     nonfinite_rows,
 )
-from expertd.server.bank import ExpertBank
 from expertd.server.staging import HostStaging, Result, SlotPool
 
 log = logging.getLogger("expertd.server")
@@ -209,7 +210,7 @@ class BatchRunner:
 
     def run(self, layer: int, xs, ids, ws) -> tuple[torch.Tensor, torch.Tensor]:
         """launch, wait, release -> (out bf16 [M, H], bad bool [M]: row had NaN/Inf
-        input), on the host. On CUDA they are views of a slot's reused pinned
+        input or output), on the host. On CUDA they are views of a slot's reused pinned
         buffer: read them before the next run."""
         flight = self.launch(layer, xs, ids, ws)
         try:
@@ -311,12 +312,11 @@ class BatchRunner:
         download, viewed in the slot's pinned output."""
         if flight._host is not None:
             state, x, i, w = flight._host
-            bad = nonfinite_rows(x, w)
             if flight.m == 0:
                 out = torch.zeros((0, self.hidden), dtype=torch.bfloat16)
             else:
                 out = self.bank.backend.forward(state, x, i, w)
-            return Result.of(out, bad)
+            return Result.of(out, nonfinite_rows(x, w, output=out))
         with torch.cuda.device(self.device):
             flight._slot.downloaded.synchronize()
         return flight.staging.result(flight.layout, flight.m)

@@ -22,7 +22,7 @@ from expertd import dataplane as dp
 from expertd import nixl
 from expertd.server import remote, slots
 from expertd.server.bank import ExpertBank
-from expertd.server.batcher import Batcher, BatchPolicy, Job
+from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.validate import Limits, RequestError, parse_forward
@@ -31,7 +31,18 @@ from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("expertd.server")
 
-STREAM_WINDOW = 64  # requests of one stream in flight at once
+# Requests of one stream read but not yet answered on the wire. Admission is the
+# server's (max_inflight, the batcher's queue limits): a stream reads on while its
+# requests are admitted or refused at once, so one stream's backlog never sits
+# unread in HTTP/2 buffers, where its deadlines would pass unseen (the server
+# dates a stream request's deadline from when it reads it). The window only
+# stops a client that does not read its answers.
+STREAM_WINDOW = 1024
+# gRPC core's own limit on calls received but not yet handed to the service. Core
+# refuses calls past it with CANCELLED before the service sees them (uncounted);
+# set far above max_inflight, so overload is the service's RESOURCE_EXHAUSTED.
+PENDING_RPCS_MIN = 8192
+OVERLOAD_LOG_S = 1.0  # overload refusals are logged at most once per this, with a count
 # Requests up to this many tokens are validated on the event loop (tens of us);
 # larger ones on the prep pool, so the loop never stalls on a big scan.
 INLINE_ROWS = 64
@@ -46,6 +57,15 @@ def _quiet(task: asyncio.Task) -> None:
     """Retrieve a finished task's outcome so asyncio does not log it as lost."""
     if not task.cancelled():
         task.exception()
+
+
+def server_options(max_inflight: int) -> list[tuple[str, int]]:
+    """grpc.aio server options of the admission design (see PENDING_RPCS_MIN)."""
+    pending = max(PENDING_RPCS_MIN, 16 * max_inflight)
+    return [
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", pending),
+    ]
 
 
 def request_id_of(context, fallback: int = 0) -> str:
@@ -78,6 +98,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
         self._instance = uuid.uuid4().hex  # new for every process start
+        self._overload_logged = 0.0  # monotonic time of the last overload log line
+        self._overload_quiet = 0  # overload refusals since then, not logged
         # The same-host data plane (server/slots.py); None where this OS has none.
         self.slots: slots.SlotRegistry | None = (
             slots.SlotRegistry(self, self._instance) if dp.available() else None
@@ -136,9 +158,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         if self.bank is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
         if self._inflight >= self.max_inflight:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many concurrent requests ({self._inflight}, limit {self.max_inflight})",
+            self.metrics.overload.labels("inflight").inc()
+            raise Overloaded(
+                f"server overloaded: {self._inflight} requests in flight (limit {self.max_inflight})"
             )
         return self.bank
 
@@ -209,6 +231,22 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.requests.labels(method, code.name).inc()
 
+    def _log_refusal(self, rid: str, e: RequestError) -> None:
+        """One line per refusal, except overload: at most one line per OVERLOAD_LOG_S
+        with how many went unlogged (a flood's refusals must stay cheap)."""
+        if isinstance(e, Overloaded):
+            now = time.monotonic()
+            if now - self._overload_logged < OVERLOAD_LOG_S:
+                self._overload_quiet += 1
+                return
+            quiet, self._overload_quiet, self._overload_logged = self._overload_quiet, 0, now
+            more = f" (and {quiet} more refusals for overload since the last line)" if quiet else ""
+            log.warning("refused request %s: %s%s", rid, e.message, more, extra={"request_id": rid})
+            return
+        log.info(
+            "refused request %s: %s: %s", rid, e.code.name, e.message, extra={"request_id": rid}
+        )
+
     # -- RPCs ------------------------------------------------------------------------
 
     async def Forward(self, request, context):
@@ -218,13 +256,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             reply = await self._forward(request, deadline)
         except RequestError as e:
             self._count("Forward", e.code)
-            log.info(
-                "refused request %s: %s: %s",
-                request_id_of(context, request.request_id),
-                e.code.name,
-                e.message,
-                extra={"request_id": request_id_of(context, request.request_id)},
-            )
+            self._log_refusal(request_id_of(context, request.request_id), e)
             await context.abort(e.code, e.message)
         except Exception:  # a bug of ours, never the client's fault: say so, keep serving
             self._count("Forward", grpc.StatusCode.INTERNAL)
@@ -246,13 +278,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 self._count("ForwardStream", grpc.StatusCode.OK)
             except RequestError as e:
                 self._count("ForwardStream", e.code)
-                log.info(
-                    "refused request %s: %s: %s",
-                    req.trace_id or req.request_id,
-                    e.code.name,
-                    e.message,
-                    extra={"request_id": req.trace_id or str(req.request_id)},
-                )
+                self._log_refusal(req.trace_id or str(req.request_id), e)
                 resp = pb.ForwardResponse(
                     request_id=req.request_id,
                     error=pb.Error(code=e.code.value[0], message=e.message),
@@ -264,8 +290,6 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 resp = pb.ForwardResponse(
                     request_id=req.request_id, error=pb.Error(code=code, message="internal error")
                 )
-            finally:
-                window.release()
             await results.put(resp)
 
         async def read() -> None:
@@ -302,6 +326,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         try:
             while (resp := await results.get()) is not None:
                 yield resp
+                window.release()  # answered on the wire: room for one more request
             await reader
         finally:
             reader.cancel()

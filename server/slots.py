@@ -314,7 +314,7 @@ class SlotRegistry:
             )
             slot.thread.start()
         conn.send(dp.READY)
-        log.info(
+        log.debug(
             "slot lease %s: %d slot(s) of %d tokens for pid %d",
             lease.lease_id,
             len(lease.slots),
@@ -329,7 +329,7 @@ class SlotRegistry:
         if gone is not None:
             self.servicer.metrics.dataplane_leases.labels(lease.transport).dec()
             self.servicer.metrics.dataplane_slots.labels(lease.transport).dec(len(lease.slots))
-            log.info("slot lease %s ended (pid %d)", lease.lease_id, lease.pid)
+            log.debug("slot lease %s ended (pid %d)", lease.lease_id, lease.pid)
 
     # -- the doorbell --------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Host side of a batch's packed buffers (kernels/graphs.py `Layout`): gathering
+"""Host side of a batch's packed buffers (server/graphs.py `Layout`): gathering
 the requests in, reading the results out, and the slots batches run in.
 
 The gather is a numpy copy per request tensor into views of the packed (on
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from expertd.kernels.graphs import Layout
+from expertd.server.graphs import Layout
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     """A batch's output rows as bytes (uint8 [M, 2H], the bf16 pattern) and its
-    per-row "input was not finite" flags (bool [M]); numpy views, no copies."""
+    per-row "input or output was not finite" flags (bool [M]); numpy views, no copies."""
 
     out_bytes: np.ndarray
     bad_rows: np.ndarray

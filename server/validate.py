@@ -1,4 +1,4 @@
-"""Request validation (SPEC section 5): every malformed request gets the right
+"""Request validation (docs/protocol.md): every malformed request gets the right
 status code and a message that names the problem, before any compute."""
 
 from __future__ import annotations

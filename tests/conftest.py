@@ -1,9 +1,19 @@
 """Shared fixtures: a real 8-shard service on loopback (in-process servers,
-each with its own event loop and port), and the full layers it serves."""
+each with its own event loop and port), and the full layers it serves.
+
+The tests live in folders by what they protect (unit, service, client,
+reliability, gpu). This file and the helper modules beside it (loadgen.py,
+faultproxy.py) are imported by name (`from conftest import hidden`), so this
+folder goes on sys.path whichever import mode pytest runs in."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
 import torch

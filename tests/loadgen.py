@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from expertd.aioloop import run
 from expertd.client import AsyncExpertClient, ExpertClient, ExpertdError
 from expertd.kernels import relative_error
 from expertd.kernels.reference import dense_weights, moe_forward_dense
@@ -199,7 +200,7 @@ def run_load(
     ]
     if tasks:
         load = _async_load(addresses, cases, tasks, threads, workers, end, tally, options)
-        pool.append(threading.Thread(target=asyncio.run, args=(load,)))
+        pool.append(threading.Thread(target=run, args=(load, "expertd-load")))
     try:
         for t in pool:
             t.start()

@@ -11,12 +11,13 @@ array, so every accumulator is its own operand: hence generated code.
 
 from pathlib import Path
 
-WIDTHS = tuple(sorted((8, 24, 40, *range(16, 161, 16))))  # v8_tile: BT, or trimmed;
-# 24 and 40: benchmarks/wgmma_rs.cu only (the widths mode)
+# The widths v8_tile runs (moe_nvfp4.cu, v8_dispatch): 8 (BT 16's tiles of <= 8 routes), then
+# every multiple of 16 up to the largest tile, 160.
+WIDTHS = (8, *range(16, 161, 16))
 
 
-# Fences, commit / wait and the B descriptor every wgmma user needs (moe_nvfp4.cu's v8 and
-# benchmarks/wgmma_rs.cu), kept beside the wrappers so they are written once.
+# Fences, commit / wait and the B descriptor every wgmma user needs, kept beside the wrappers so
+# they are written once.
 PRELUDE = r"""__device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

@@ -1,30 +1,33 @@
 // expertd: one shard's NVFP4 W4A16 MoE forward on Hopper (sm_90a), as a C-ABI library.
 //
-// What it computes (SPEC section 3), for every route (t, j) whose expert is owned here:
+// What it computes (docs/protocol.md), for every route (t, j) whose expert e is owned here:
 //     h = W13[e] @ x[t];  a = silu(h[:I]) * h[I:];  z = (W2[e] @ a) * (1 + w_norm)
 //     out[t] = sum_j topk_weights[t, j] * z / sqrt(mean(z^2) + 1e-8)
+// x and out are bf16 [M, H]; every element of out is written (zeros for a token with no owned
+// route). Weights are NVFP4: E2M1 codes, an fp8 e4m3 scale per 16 k, and an fp32
+// weight_scale_2 per projection (gate and up may differ); accumulation is fp32, the
+// intermediates (act, z) bf16.
 //
-// Four launches on the caller's stream, no host sync, no allocation (graph-capturable):
-//   1. route_kernel      one block: local routes grouped by expert, each expert's run padded to
-//                        BT positions ("tiles"); pos_of_route, sorted_route, tile_expert, num_tiles.
-//   2. moe_gemm<GATED>   per (tile, n-block): act[pos, :] = silu(gate) * up, bf16, 2I never stored.
-//   3. moe_gemm<!GATED>  per (tile, n-block): z[pos, :] = (W2 a) * gs * (1 + w_norm), bf16, plus the
+// Launches on the caller's stream, chained with programmatic dependent launch; no host sync and
+// no allocation (graph-capturable; the caller's workspace, expertd_workspace_bytes):
+//   1. routing           local routes grouped by expert, each expert's run padded to whole tiles
+//                        of BT positions: pos_of_route, sorted_route, tile_expert, num_tiles.
+//                        route_kernel (one block), route_count + route_scatter from
+//                        kRouteMultiMinRoutes routes, or none: small calls are routed by GEMM1's
+//                        blocks themselves (moe_gemm_self_kernel).
+//   2. GEMM1 (gate/up)   per (n-block, tile): act[pos, :] = silu(gate) * up, bf16 (the 2I
+//                        gate/up outputs are never stored).
+//   3. GEMM2 (down)      per (n-block, tile): z[pos, :] = (W2 a) * gs * (1 + w_norm), bf16, and the
 //                        block's partial sum of z^2 per position (deterministic, no atomics).
-//   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j]; writes
-//                        every element (zeros for tokens with no owned route).
-//
-// GEMM paths (EXPERTD_KERNEL_PATH=6/8):
-//   v6  mma.sync GEMM grids (n-blocks, t_max): t_max bounds the tiles from all routes, local or
-//       not, so most blocks find tile >= num_tiles and exit (80-90% at top-8 of 256, 32 experts).
-//   v8  wgmma GEMMs (BT 16 and from BT 32), same grids.
-//   (v7, persistent grids with L2 prefetches at decode, was removed in session 3: the default
-//   nowhere, 15-25% slower than v6 where it ran. The fused decode kernel, one cooperative launch
-//   per call of <= 64 routes with grid barriers between the GEMMs, was removed in session 7: the
-//   default nowhere, 1.24-1.48x the default's time at M = 1-8 on the H200; kernels/NOTES.md.)
+//   4. finalize_kernel   per token: coef_j = w_j / rms_j, out = sum_j coef_j * z[pos_j].
+// The results do not depend on timing or on the grid a call runs on: every sum has a fixed order.
 //
 // GEMM formulation ("swap A/B"): weights are the MMA's A operand (M side, 16 rows per m-tile),
-// tokens the B operand (N side, 8 per n-tile), so a handful of tokens wastes little.
-// mma.sync.m16n8k16 bf16 -> fp32. One k-step (16 k) is exactly one NVFP4 scale block.
+// tokens the B operand (N side), so a handful of tokens wastes little. Two GEMM paths:
+//   v6  mma.sync.m16n8k16 bf16 -> fp32 (BT 8: decode), split-K over the warps of a block;
+//   v8  wgmma m64nNk16 (BT 16 to 160), N = the tile's routes rounded up, whole K per warp.
+// One k-step (16 k) is exactly one NVFP4 scale block; the weights are dequantized in registers
+// (e2m1x8_to_bf16x8 and one bf16 multiply by the scale) just before the MMA.
 //
 // Resident weight layout (made by kernels/repack.py, checked on the CPU by tests):
 //   codes  uint4 [El][Mt][K/64][32 lanes]: the 16 bytes lane (g = lane/4, t = lane%4) of a warp
@@ -33,15 +36,22 @@
 //          sign and magnitude bits placed so e2m1x8_to_bf16x8 needs 8 ops for 4 registers.
 //   scales bf16 [El][Mt][K/64][8 g][4 ks][2]: fp8 scale * 2^119 (exact) of rows g and g+8 for
 //          k-step ks; one 32-bit word per k-step (HMUL2 broadcasts each half in its operand).
-//          (v1 kept fp8 and converted in registers: 7 ops per k-step; bf16 costs 11% more bytes
-//          per expert but the kernel is issue-bound, see NOTES.md.)
-//          The product (E2M1 * 2^-126) * (fp8 * 2^119) = E2M1 * fp8 * 2^-7 is exact in bf16; the
-//          epilogue multiplies by weight_scale_2 * 2^7 in fp32 (per projection: gate and up may
-//          differ).
+//          bf16 costs 11% more bytes per expert than fp8 but saves 7 conversion ops per k-step in
+//          a kernel that is issue-bound. The product (E2M1 * 2^-126) * (fp8 * 2^119) = E2M1 * fp8 *
+//          2^-7 is exact in bf16; the epilogue multiplies by weight_scale_2 * 2^7 in fp32.
 //   GEMM1 rows are interleaved: m-tile m holds gate rows 8m..8m+7 then up rows 8m..8m+7, so the
 //          accumulator of one thread holds gate and up of the same column (c0/c2, c1/c3).
+//   w13_gscale fp32 [El][2] (gate, up), w2_gscale fp32 [El], norm_weight bf16 [H].
 //
-// Work partitioning of one GEMM block (NW x NK warps, all BT tokens of one tile):
+// Configurations (the list and the measurements behind each: "compiled configurations" below):
+//   BT (tokens per tile; routes per expert are padded to it) = expertd_pick_bt(M, top_k, E) from
+//   lambda = M top_k / E, or the caller's bt. BT 8 runs v6 in one of four configurations by the
+//   call's routes (and whether H and I are multiples of 512), on a grid form also chosen by its
+//   routes (launch_v6: capped grids looping over tiles to 64 routes, one tile per block above);
+//   BT 16, 32, 48, 64, 96, 128, 144 and 160 run v8, one configuration each. Only the kernel
+//   instances those choices can reach are compiled.
+//
+// Work partitioning of one v6 GEMM block (NW x NK warps, all BT tokens of one tile):
 //
 //        k ->  [ stage 0: kg 0 | kg 1 | .. ][ stage 1 ] ...  (BK = 64*KG, ST-deep cp.async ring)
 //   rows  warp (0, wk): m-tiles 0..WM-1,  k-groups kg = wk, wk + NK, ...  x BT tokens
@@ -54,10 +64,10 @@
 #include <stdint.h>
 #include <limits.h>
 #include <math.h>
-#include <stdlib.h>
 #include <stdio.h>
 
 #include <mutex>
+#include <type_traits>
 
 #include "wgmma.cuh"
 
@@ -65,156 +75,6 @@ namespace {
 
 constexpr float kRmsEps = 1e-8f;
 constexpr float kScaleShift = 128.0f;  // 2^7: undoes the 2^-7 left in the dequantized bf16
-
-// ---------------------------------------------------------------------------------------------
-// Compiled configurations. Only these; each is a decision (see kernels/NOTES.md).
-// BT = tokens per tile (routes per expert are padded to it), chosen per call from the expected
-// routes per expert (see expertd_pick_bt). Per GEMM: WM = m-tiles (16 weight rows) per warp,
-// NW = warps along rows, NK = warps splitting each stage's k-groups (split-K inside the block),
-// KG = 64-k groups per stage, ST = pipeline stages.
-//
-//   BT | GEMM1 (gate/up) WM NW NK KG ST | GEMM2 (down) WM NW NK KG ST | why
-//    8 |                  1  4  4  4  6 |               1  2  4  4  6 | decode: 16 warps per block,
-//   16 |                  1  4  4  4  6 |               1  2  4  4  6 |   two blocks per SM
-//      |                                |                             |   (v4 tried one block per
-//      |                                |                             |   SM with a deeper ring:
-//      |                                |                             |   slower from M = 2 up)
-//   24 |                  1  4  2  2  5 |               1  4  2  2  5 | middle: tiles sized to the
-//   32 |                  1  4  2  2  5 |               1  4  2  2  5 |   busiest expert (fewer
-//   48 |                  1  4  2  2  5 |               1  4  2  2  5 |   re-dequantized tiles);
-//      |                                |                             |   16 and 48 are not picked
-//      |                                |                             |   now (bt= override only)
-//   64 |                  2  4  1  2  3 |               2  4  1  2  3 | WM = 2: one ldmatrix of B
-//      |                                |                             |   feeds 4 MMAs; 3 stages so
-//      |                                |                             |   3 blocks fit per SM
-// BT 8 calls run decode alternative 6 or 7 (below) instead of this row where H and I are
-// multiples of 512; the row stays the fallback.
-// Tried and dropped: BT = 128 with WM = 1 (2 MMAs per ldmatrix: slower than BT = 64 above at
-// every M) and with WM = 2 (255 registers, spills).
-// KG <= 4 everywhere: BK = 64 KG must divide H and I (multiples of 256).
-// ---------------------------------------------------------------------------------------------
-#define EXPERTD_FOR_EACH_CONFIG(X)           \
-  X(8, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)          \
-  X(16, 1, 4, 4, 4, 6, 1, 2, 4, 4, 6)         \
-  X(24, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
-  X(32, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
-  X(48, 1, 4, 2, 2, 5, 1, 4, 2, 2, 5)         \
-  X(64, 2, 4, 1, 2, 3, 2, 4, 1, 2, 3)
-
-// v8 (warpgroup MMA, sm_90a wgmma): per GEMM, NWG = warpgroups per block, WM = 64-row slabs per
-// warpgroup (each warp holds one 16-row m-tile of each slab: WM wgmmas per k-step, one token
-// tile in shared memory for 64 NWG WM weight rows), KG = 64-k groups per stage, ST = stages, MB =
-// blocks per SM asked of ptxas (__launch_bounds__; registers <= 64K / (MB x threads)). Whole K
-// per warp (no split-K). The tokens of a tile are wgmma's N (= BT, trimmed to the tile's routes
-// rounded up to 8 at BT 16, to 16 at BT 32 and from 64, to 32 at 48: v8_dispatch), read from
-// shared memory through a descriptor; the dequantized weights are its A operand, straight from
-// registers.
-//   BT | GEMM1 NWG WM KG ST MB | GEMM2 NWG WM KG ST MB | smem per block
-//   16 |        2  1  2  5  2  |        2  1  2  5  2  |  71 KB (M = 129-400; 70-72 registers, so
-//      |                       |                       |   3 blocks per SM: 0.944-0.964 of KG 4 /
-//      |                       |                       |   3 stages (85 KB, 2 per SM, session 8's)
-//      |                       |                       |   at M = 160-320, 0.973-0.989 at 384;
-//      |                       |                       |   KG 2 / 6 stages 0.985-1.01: session 19)
-//   32 |        2  1  2  4  3  |        2  1  2  4  3  |  73 KB (M = 401-864; 75-80 registers,
-//      |                       |                       |   3 blocks per SM: GEMM2's fit only
-//      |                       |                       |   with the 896-byte pad, kAlignPad.
-//      |                       |                       |   Session 20: GEMM1 so 0.965-1.011 of
-//      |                       |                       |   KG 4 / 3 stages / 2 blocks at M =
-//      |                       |                       |   400-864, most near 0.98; then GEMM2
-//      |                       |                       |   0.974-0.999 at 432-864; GEMM2 at KG 2
-//      |                       |                       |   / 3 stages lost 0.98-1.03)
-//   48 |        2  1  2  4  2  |        2  1  2  4  2  |  89 KB
-//   64 |        2  1  2  4  2  |        2  1  2  4  2  | 105 KB
-//   96 |        4  1  2  4  1  |        4  1  2  4  1  | 177 KB (from BT 96, 256 weight rows
-//  128 |        4  1  1  6  1  |        4  1  1  6  1  | 157 KB   share one token tile: half the
-//  144 |        4  1  1  6  1  |        4  1  1  6  1  | 169 KB   tokens' L2 -> SM traffic, 1 block
-//  160 |        4  1  1  6  1  |        4  1  1  6  1  | 181 KB   per SM; 98-128 registers. Session
-//      |                       |                       |   22, paired against 2 x 128 rows (2
-//      |                       |                       |   blocks per SM: 96 KG 2 / ST 3, 128 /
-//      |                       |                       |   144 KG 1 / ST 4): BT 96 0.90-0.95 at
-//      |                       |                       |   M = 1984-2240, 128 0.97-0.98 at 3072 /
-//      |                       |                       |   6144, 144 0.935-0.977 at 8192 / 16384;
-//      |                       |                       |   BT 48 / 64 so lost or tied: 1.0-1.07.
-//      |                       |                       |   BT 128 / 144 at KG 2 spill. Session 6's
-//      |                       |                       |   BT 160 so: 0.988 at M = 4096. Tiles
-//      |                       |                       |   that hold a busy expert: pick_bt)
-#define EXPERTD_FOR_EACH_WG_CONFIG(X)     \
-  X(16, 2, 1, 2, 5, 2, 2, 1, 2, 5, 2)      \
-  X(32, 2, 1, 2, 4, 3, 2, 1, 2, 4, 3)      \
-  X(48, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
-  X(64, 2, 1, 2, 4, 2, 2, 1, 2, 4, 2)      \
-  X(96, 4, 1, 2, 4, 1, 4, 1, 2, 4, 1)      \
-  X(128, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)     \
-  X(144, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)     \
-  X(160, 4, 1, 1, 6, 1, 4, 1, 1, 6, 1)
-
-// Tried and dropped (sessions 3-5, H200, timed in alternating runs against the default; the
-// switches that ran them were removed in session 6, NOTES.md): 256 weight rows per token tile at BT
-// 32 / 48 (WM 2, or 4 warpgroups, 1 block per SM; from BT 96 the table's shape since session 22),
-// KG 2 / ST 4 with 3 blocks per SM at BT 32 (2-5% slower at M = 128-512), KG 1 / ST 6 with 3 blocks
-// per SM at BT 32 and 48, KG 1 / ST 5 with 4 blocks per SM at BT 32: 5-23% slower at M = 128-1024
-// (ncu at M = 1024 had shown the tensor pipe 42-52% and issue 43-55% busy with 16 warps per SM:
-// more warps per SM do not help there). BT 96 with KG 1 / ST 5: 1.06 at M = 2048. KG 1 / ST 6 at BT
-// 64: within the spread.
-
-// Decode alternatives (v6, EXPERTD_KERNEL_DECODE_ALT=id; used for calls whose BT matches; 0 = the
-// table above): the default for BT 8 and 16 calls where H and I are multiples of 512 (below).
-// GEMM2 keeps the rows per block of the main config of its BT (the partial-sum layout depends on
-// it).
-//   id | BT | GEMM1 WM NW NK KG ST | GEMM2 WM NW NK KG ST | question
-//    6 |  8 |        1  2  8  8  4 |        1  2  8  8  4 | split-K over 8 warps (BK 512: H and I
-//      |    |                      |                      |   multiples of 512): twice the warps
-//      |    |                      |                      |   per SM at M = 1. On v6 (H200,
-//      |    |                      |                      |   NOTES.md): 5% faster at M = 1-2, 3-4%
-//      |    |                      |                      |   slower from M = 4
-//    7 |  8 |        1  4  4  8  3 |        1  2  4  8  3 | 2 k-groups per warp per stage (BK 512):
-//      |    |                      |                      |   the per-stage overhead (ring slot,
-//      |    |                      |                      |   copies, barrier: ~45 of the 113
-//      |    |                      |                      |   instructions of a v6 BT 8 stage,
-//      |    |                      |                      |   SASS) paid once per 2 k-groups; the
-//      |    |                      |                      |   same sum order as the table's BT 8
-//   11 |  8 |        1  4  2  8  3 |        1  2  2  8  3 | 4 k-groups per warp per stage (8 warps)
-//   12 | 16 |        1  4  4  8  3 |        1  2  4  8  3 | alt 7 at BT 16 (108 KB, 2 blocks/SM)
-//   13 |  8 |        1  2  4  8  3 |        1  2  4  8  3 | alt 7 with 32-row GEMM1 blocks (4 of
-//      |    |                      |                      |   8 warps per SM): finer work units
-//      |    |                      |                      |   for the last wave at M = 2-16
-//   14 |  8 |        1  1  4  8  3 |        1  2  4  8  3 | the same with 16-row GEMM1 blocks
-//   15 |  8 |        1  2  2  8  3 |        1  2  2  8  3 | alt 11 with 32-row GEMM1 blocks
-//   18 |  8 |        1  2  2  4  3 |        1  2  2  8  3 | 15 with GEMM1 stages half as deep in k
-//      |    |                      |                      |   (27 KB, 50 registers: 8 blocks of 4
-//      |    |                      |                      |   warps per SM where 15 has 4)
-//   28 |  8 |        1  1  4  8  4 |        1  2  4  8  3 | 14 with GEMM1 one stage deeper (52 KB,
-//      |    |                      |                      |   4 blocks per SM: M = 1's 512 GEMM1
-//      |    |                      |                      |   blocks still in one wave)
-// Picked by default (decode_alt_for; H200, NOTES.md, sessions 8-12, timed in alternating runs):
-// 28 for calls of <= 8 routes (session 12, M = 1 over 32 input sets: 14 0.975 of 13, then 28
-// 0.984 of 14 in one call and 25 (28 with GEMM2 6 stages) 0.979 / 0.982 in two), 13 for BT
-// 8 calls of < 128 routes (M < 16 at top-8; against the earlier picks 6 at <= 16
-// routes and 7 between: M = 1 0.965, 2 0.988, 4 0.986, 8 0.978; bit-identical to the table), 18
-// from 128 routes (session 9 against 15: M = 16 0.984, 32 0.967, 64 0.958; 1.01-1.11 below 128
-// routes). Smaller GEMM1 blocks at the same warps per SM: the last wave of GEMM1 blocks is
-// shorter. 16-row blocks (14) are 7-12% slower from M = 3. Measured and dropped in session 9
-// (`-s9-alts1617.json`, `-s9-fin-lut-alts.json`): 16 (18 with GEMM2 1 2 2 4 3: 0.985 / 0.969 /
-// 0.966), 17 and 19 (13 / 15 with that GEMM2: 0.996-1.03), and warp-private blocks (20 / 21:
-// 1.03-1.21, branch v6-warp-private-dropped). The table's BT 8 row where H or I is not a
-// multiple of 512, or EXPERTD_KERNEL_DECODE_ALT=0. (Sessions 4-7 picked 6 / 7 / 11: 3-6% and
-// 3-10% ahead of the table, 11 2-3% ahead of 7 from 256 routes.)
-// Tried and dropped (session 4): alt 6 with 2 k-groups per warp (BK 1024): 4-16% slower than 6
-// from M = 4; alt 7 one stage deeper: within 2% of 7; alt 6 two stages deeper: 5-20% slower.
-// Tried on v6 and dropped (session 3): 11 and 8 stages ahead (one block per SM, 110 KB of weights
-// in flight): 3-25% slower; 32-warp GEMM1 blocks with split-K 8: 1-24% slower. Alternatives 1-3
-// (32-row GEMM1 blocks at BT 8; 2 k-groups per warp between barriers at BT 8 and 24; never
-// ahead of 7) were removed in session 6.
-#define EXPERTD_FOR_EACH_DECODE_ALT(X) \
-  X(6, 8, 1, 2, 8, 8, 4, 1, 2, 8, 8, 4)  \
-  X(7, 8, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3)  \
-  X(11, 8, 1, 4, 2, 8, 3, 1, 2, 2, 8, 3)  \
-  X(12, 16, 1, 4, 4, 8, 3, 1, 2, 4, 8, 3) \
-  X(13, 8, 1, 2, 4, 8, 3, 1, 2, 4, 8, 3)  \
-  X(14, 8, 1, 1, 4, 8, 3, 1, 2, 4, 8, 3)  \
-  X(15, 8, 1, 2, 2, 8, 3, 1, 2, 2, 8, 3)  \
-  X(18, 8, 1, 2, 2, 4, 3, 1, 2, 2, 8, 3)  \
-  X(28, 8, 1, 1, 4, 8, 4, 1, 2, 4, 8, 3)
 
 // ------------------------------------ PTX helpers --------------------------------------------
 
@@ -251,8 +111,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 // a * (the low / high bf16 of s2 in both halves). bf16 arithmetic keeps subnormals (no .ftz form
 // exists for bf16), so E2M1 0.5 survives. The broadcast costs no instruction: ptxas folds
-// it into HMUL2's operand selector (R.H0_H0 / R.H1_H1); a prmt before the multiply was one
-// instruction per scale (2 of ~27 per k-step).
+// it into HMUL2's operand selector (R.H0_H0 / R.H1_H1), where a prmt before the multiply would
+// cost one instruction per scale (2 of ~27 per k-step).
 __device__ __forceinline__ uint32_t bf16x2_mul_lo(uint32_t a, uint32_t s2) {
   uint32_t d;
   asm("{\n .reg .b16 lo, hi;\n .reg .b32 b;\n mov.b32 {lo, hi}, %2;\n mov.b32 b, {lo, lo};\n"
@@ -273,19 +133,16 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s2) {
 // E2M1 -> bf16 by moving bits: a code's sign goes to bf16 bit 15 and its 3 magnitude bits to
 // bits 6-8 (exponent LSBs + mantissa MSB), which yields value * 2^-126 exactly (0.5 becomes a bf16
 // subnormal). The repack (repack.py: e2m1_regs, the same operations in Python, and the bit
-// positions derived from them) stores the 8 codes of one k-step so that 4 registers take 8 ops
-// (benchmarks/e2m1_layout_search.py over masks, shifts, rotations, byte permutes and carry-free
-// multiplies; session 23 let a multiply make three copies and found 8, where session 7's two-copy
-// menu bottomed out at 10): the plain mask, two rotations and a mask each, and one masked word
-// times 2^2 + 2^7 + 2^12 (the three shifted copies never overlap, so the product is their OR),
-// then a mask:
+// positions derived from them) stores the 8 codes of one k-step so that 4 registers take 8 ops,
+// the fewest an exhaustive search over masks, shifts, rotations, byte permutes and carry-free
+// multiplies found (10 with two-copy multiplies; docs/kernel.md): the plain
+// mask, two rotations and a mask each, and one masked word times 2^2 + 2^7 + 2^12 (the three
+// shifted copies never overlap, so the product is their OR), then a mask:
 //   reg | ops                       | code bits from q
 //    0  | and                       | 6 7 8 15 22 23 24 31
 //    1  | rot 10, and               | 5 12 13 14 21 28 29 30
 //    2  | rot 13, and               | 2 9 10 11 18 25 26 27
 //    3  | and, x * 4228, and        | 0 1 3 4 16 17 19 20
-// Session 7's 10-op layout (rot 8; and, x * 65; rot 12; and, x * 5; each then masked) and the
-// 11-op one before it are in NOTES.md with their timings.
 __device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t q, uint32_t (&r)[4]) {
   r[0] = q & 0x81C081C0u;
   r[1] = __funnelshift_l(q, q, 10) & 0x81C081C0u;
@@ -301,40 +158,6 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
-
-// Timeline instrumentation (benchmarks/timeline.py; only in the library built with
-// -DEXPERTD_TIMELINE, see kernels/build.py: elsewhere the marks compile to nothing). Kernel k of
-// a call (0 route, 1 GEMM1, 2 GEMM2, 3 finalize), event ev (0 block entry, 1 after its
-// griddepcontrol.wait, 2 main loop done, 3 block done): thread 0 of every block with linear id
-// b < kTlBlocks writes %globaltimer (ns) to g_timeline[(k * kTlBlocks + b) * 5 + ev] and its SM
-// to word 4 of the same record (expertd_timeline_words: the buffer size). Plain stores to
-// distinct words: a first version also folded min / max with atomics on 16 shared words, and
-// those serialized the ~5000 blocks of an M = 8 call into +40% time.
-constexpr int kTlBlocks = 131072;
-#ifdef EXPERTD_TIMELINE
-__device__ unsigned long long* g_timeline = nullptr;
-__device__ __forceinline__ void tl_mark(int k, int ev) {
-  unsigned long long* t = g_timeline;
-  if (t == nullptr || threadIdx.x != 0) return;
-  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (b >= kTlBlocks) return;
-  unsigned long long now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  unsigned long long* rec = t + (static_cast<unsigned long long>(k) * kTlBlocks + b) * 5;
-  rec[ev] = now;
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  rec[4] = sm;
-}
-// Block done: after every thread's work (a barrier: call from all threads, in uniform code).
-__device__ __forceinline__ void tl_done(int k) {
-  __syncthreads();
-  tl_mark(k, 3);
-}
-#else
-__device__ __forceinline__ void tl_mark(int, int) {}
-__device__ __forceinline__ void tl_done(int) {}
-#endif
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
@@ -352,14 +175,13 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t bits16) {
 
 // ------------------------------------ 1. routing ---------------------------------------------
 
-// One block of 1024 threads. Shared memory: cnt[El], off[El + 1], fill[El], ntile[El]. An
-// expert's routes fill its tiles in order (full tiles, then the rest), or round-robin when
-// `balanced` (an experiment, route_balanced: route j of the expert to tile j % t, slot j / t, t =
-// its tile count): every tile of an expert then holds n / t routes rounded up or down, a prefix
-// of its positions (290 routes at BT 160: tiles of 145 and 145, not 160 and 130). The same bits
-// either way: a route's output depends on its token row only. The local expert of a thread's
-// first kCached routes stays in registers between the count and the scatter (one round of
-// dependent global loads instead of two); warp 0 scans the padded counts.
+// route_kernel: one block (1024 threads, or 256 for calls of <= kRouteSmallMaxRoutes routes: fewer
+// warps at each barrier). Shared memory: cnt[El], off[El + 1], fill[El]. An expert's routes fill
+// its tiles in order (full tiles, then the rest), so a tile's valid routes are a prefix of its
+// positions (the v8 GEMMs size their MMAs by it). Filling every tile of an expert about equally
+// instead measured 1.00-1.04x the time (M = 16-16384, H200): the wider MMAs of full tiles win.
+// The local expert of a thread's first kCached routes stays in registers between the count and
+// the scatter (one round of dependent global loads instead of two).
 constexpr int kRouteThreads = 1024;
 constexpr int kCached = 4;
 
@@ -373,20 +195,11 @@ __device__ __forceinline__ int local_expert(const int* __restrict__ topk_ids,
   return (e >= 0 && e < el) ? e : -1;
 }
 
-// The position of expert e's next route: in order, or round-robin over its tiles (balanced).
-__device__ __forceinline__ int slot_of(int e, const int* off, int* fill, const int* ntile, int bt,
-                                       int balanced) {
-  const int j = atomicAdd(&fill[e], 1);
-  if (!balanced) return off[e] + j;
-  const int t = ntile[e];
-  return off[e] + (j % t) * bt + j / t;
-}
-
 // Warp 0 of a routing block: exclusive scan of the counts padded to whole tiles (lane l owns
-// experts [l c, (l + 1) c)): off[e] for every expert, ntile[e] where ntile is given, and the
-// total in off[el]; returns the lane's inclusive sum (lane 31's is the total).
-__device__ __forceinline__ int scan_padded_counts(const int* cnt, int* off, int* ntile, int el,
-                                                  int bt, int lane) {
+// experts [l c, (l + 1) c)): off[e] for every expert and the total in off[el]; returns the
+// lane's inclusive sum (lane 31's is the total).
+__device__ __forceinline__ int scan_padded_counts(const int* cnt, int* off, int el, int bt,
+                                                  int lane) {
   const int c = (el + 31) / 32;
   int sum = 0;
   for (int e = lane * c; e < min(el, (lane + 1) * c); ++e) sum += (cnt[e] + bt - 1) / bt * bt;
@@ -399,9 +212,7 @@ __device__ __forceinline__ int scan_padded_counts(const int* cnt, int* off, int*
   int acc = incl - sum;
   for (int e = lane * c; e < min(el, (lane + 1) * c); ++e) {
     off[e] = acc;
-    const int t = (cnt[e] + bt - 1) / bt;
-    if (ntile) ntile[e] = t;
-    acc += t * bt;
+    acc += (cnt[e] + bt - 1) / bt * bt;
   }
   if (lane == 31) off[el] = incl;
   return incl;
@@ -418,27 +229,23 @@ __device__ __forceinline__ int expert_of_tile(const int* off, int el, int tile, 
   return lo;
 }
 
-// THREADS: 1024, or 256 for calls of <= kRouteSmallMaxRoutes routes (route_threads_for).
-// warp_tables (route_warp_tables: <= 32 local experts, tiles filled in order): after the count,
-// every warp scans the padded counts itself in registers (lane e: expert e), warp 0 writes
-// num_tiles, tile_expert and the padding's -1 (positions past each expert's routes), and every
-// thread places its routes; no barrier after the count (the scan and the padding pass of the
-// general path, each behind a barrier, took ~0.7-0.9 us apiece at any call size: session 16).
+// warp_tables (shards of <= 32 local experts): after the count every warp scans the padded
+// counts itself in registers (lane e: expert e), warp 0 writes num_tiles, tile_expert and the
+// padding's -1 (positions past each expert's routes), and every thread places its routes; no
+// barrier after the count. Larger shards take warp 0's scan and a padding pass, each behind a
+// barrier (~0.7-0.9 us apiece at any call size on the H200). Both give the same tables.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) route_kernel(
     const int* __restrict__ topk_ids, int num_routes, const int* __restrict__ local_of, int first,
-    int num_experts, int el, int bt, int balanced, int* __restrict__ sorted_route,
+    int num_experts, int el, int bt, int* __restrict__ sorted_route,
     int* __restrict__ pos_of_route, int* __restrict__ tile_expert, int* __restrict__ num_tiles,
     int warp_tables) {
   extern __shared__ int sm[];
   int* cnt = sm;
   int* off = sm + el;
   int* fill = off + el + 1;
-  int* ntile = fill + el;
   const int tid = threadIdx.x;
-  tl_mark(0, 0);
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
-  tl_mark(0, 1);
   pdl_launch_dependents();
   for (int i = tid; i < el; i += THREADS) {
     cnt[i] = 0;
@@ -459,7 +266,6 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
     if (e >= 0) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  tl_mark(0, 2);  // the timeline's "loop_done" of the route kernel: routes loaded and counted
   if (warp_tables) {
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = tid & 31;
@@ -494,11 +300,10 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
       const int r = r0 + lane;
       place(r, r < num_routes ? local_expert(topk_ids, local_of, first, r, num_experts, el) : -1);
     }
-    tl_done(0);
     return;
   }
   if (tid < 32) {
-    const int total = scan_padded_counts(cnt, off, ntile, el, bt, tid);
+    const int total = scan_padded_counts(cnt, off, el, bt, tid);
     if (tid == 31) *num_tiles = total / bt;
   }
   __syncthreads();
@@ -513,7 +318,7 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
     if (r < num_routes) {
       int p = -1;
       if (cached[i] >= 0) {
-        p = slot_of(cached[i], off, fill, ntile, bt, balanced);
+        p = off[cached[i]] + atomicAdd(&fill[cached[i]], 1);
         sorted_route[p] = r;
       }
       pos_of_route[r] = p;
@@ -523,17 +328,16 @@ __global__ void __launch_bounds__(THREADS) route_kernel(
     const int e = local_expert(topk_ids, local_of, first, r, num_experts, el);
     int p = -1;
     if (e >= 0) {
-      p = slot_of(e, off, fill, ntile, bt, balanced);
+      p = off[e] + atomicAdd(&fill[e], 1);
       sorted_route[p] = r;
     }
     pos_of_route[r] = p;
   }
-  tl_done(0);
 }
 
-// Large calls: the same routing as route_kernel in two kernels over chunks of kRouteChunk routes
-// (one block each), because one block streams topk_ids at one SM's rate (17 us at M = 4096, 60
-// at 16384 on the H200, with GEMM1 waiting on it).
+// Calls of kRouteMultiMinRoutes routes and more: the same routing as route_kernel in two kernels
+// over chunks of kRouteChunk routes (one block each), because one block streams topk_ids at one
+// SM's rate (17 us at M = 4096, 60 at 16384 on the H200, with GEMM1 waiting on it).
 //   route_count_kernel    block b: its chunk's local experts parked in pos_of_route[r] (-1: not
 //                         local; one round of the two dependent loads per route), the chunk's
 //                         count per expert into hist[b][El].
@@ -552,9 +356,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_count_kernel(
     int num_experts, int el, int* __restrict__ pos_of_route, int* __restrict__ hist) {
   extern __shared__ int cnt[];
   const int tid = threadIdx.x;
-  tl_mark(0, 0);
   pdl_wait();  // the previous forward's finalize may still read pos_of_route
-  tl_mark(0, 1);
   pdl_launch_dependents();
   for (int i = tid; i < el; i += kRouteThreads) cnt[i] = 0;
   __syncthreads();
@@ -594,7 +396,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
   }
   __syncthreads();
   if (tid < 32) {
-    const int total = scan_padded_counts(cnt, off, nullptr, el, bt, tid);
+    const int total = scan_padded_counts(cnt, off, el, bt, tid);
     if (tid == 31 && b == 0) *num_tiles = total / bt;
   }
   __syncthreads();
@@ -616,7 +418,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_scatter_kernel(
     }
     pos_of_route[r] = p;
   }
-  tl_done(0);
 }
 
 // ------------------------------------ 2./3. grouped GEMM -------------------------------------
@@ -636,7 +437,6 @@ struct GemmArgs {
   int mt;                      // m-tiles per expert (N / 16)
   int top_k;
   int pcap;
-  int min_rows;                // v8: tiles run the wgmma width of max(routes, min_rows) (A/B)
 };
 
 template <int BT, int WM, int NW, int NK, int KG, int ST>
@@ -838,8 +638,7 @@ __device__ __forceinline__ void splitk_reduce(float (&acc)[WM][NT][4], float* rb
 // by position: moe_gemm_self_kernel) instead of route_kernel's tables in global memory.
 // EARLY: weights and scales issued as soon as the expert is known, before the token rows'
 // indices (a dependent global load and a barrier), joining stage 0's commit group: 1 = the first
-// ST - 1 stages' (the one-tile grid, moe_gemm_kernel: session 16 call 13, M = 16 0.972 /
-// 0.968), 2 = stage 0's only (the decode kernels: session 17; 1 lost there), 0 = none.
+// ST - 1 stages' (kGridEarly), 2 = stage 0's only (kLoopEarly), 0 = none.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool SELF = false,
           int EARLY = 0>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, const int xb,
@@ -857,11 +656,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   const int kt_count = a.k / S::kBK;
   const int kg_count = a.k / 64;
 
-  // 128-byte aligned (was 16): the dynamic region starts after the static variables (red,
-  // row_off). At 16 a static size of 64 bytes (GEMM1) put the ring 64 bytes into a 128-byte row,
-  // so each cp.async wrote every row in 2 shared-memory wavefronts (M = 2-128 3-6% slower); a
-  // size 16 off a 32-byte sector made every cp.async touch 2x the L2 sectors and 3x the
-  // wavefronts, the main loop 1.75x slower (session 11, ncu; session 10's split-K build too).
+  // 128-byte aligned: the dynamic region starts after the static variables (red, row_off). With
+  // 16-byte alignment a static size of 64 bytes (GEMM1) put the ring 64 bytes into a 128-byte
+  // row, so each cp.async wrote every row in 2 shared-memory wavefronts (M = 2-128 3-6% slower);
+  // a size 16 off a 32-byte sector made every cp.async touch 2x the L2 sectors and 3x the
+  // wavefronts, the main loop 1.75x slower (ncu).
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float red[NW][BT];
   __shared__ long long row_off[BT];  // element offset of each token row in act_in, -1 = padding
@@ -1001,7 +800,6 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
     }
   }
   cp_async_wait<0>();
-  tl_mark(GATED ? 1 : 2, 2);
   pdl_launch_dependents();
 
   // Split-K: the NK k-warps' partial sums meet in k-warp 0 (pipeline memory is idle now).
@@ -1013,20 +811,12 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, const int tile, con
   gemm_epilogue<BT, WM, NW, GATED>(a, acc, e, tile, xb, mt0, wm, wk == 0, red);
 }
 
-// The early weight copies in the decode kernels (loop, spread, self-routed): stage 0's weights
-// only (2, the default; -DEXPERTD_DECODE_EARLY=1: the first ST - 1 stages, 0: none, the order
-// before). H200, session 17 call 1, library A/B, 2 rounds, against 0: M = 1 0.984 / 0.991, 2
-// 0.972 / 0.977, 4 0.971 / 0.973, 8 0.976 / 0.977; 1 lost there (1.017 / 1.022 at M = 1,
-// 1.008 / 1.009 at 2, 0.998-1.006 at 4-8; session 16 call 13 too).
-// The one-tile grid (moe_gemm_kernel) takes its own form: EXPERTD_GRID_EARLY (default 1).
-#ifndef EXPERTD_DECODE_EARLY
-#define EXPERTD_DECODE_EARLY 2
-#endif
-#ifndef EXPERTD_GRID_EARLY
-#define EXPERTD_GRID_EARLY 1
-#endif
-constexpr int kGridEarly = EXPERTD_GRID_EARLY;
-constexpr int kDecodeEarly = EXPERTD_DECODE_EARLY;
+// gemm_tile's EARLY per kernel. The one-tile grid (moe_gemm_kernel) issues the first ST - 1
+// stages' weights early (measured on the H200 against none: M = 16 0.97x). The kernels that loop
+// over tiles (loop, spread, self-routed) issue stage 0's only (against none: M = 1 0.98-0.99x,
+// M = 2-8 0.97-0.98x; the first ST - 1 stages there: 1.00-1.02x).
+constexpr int kGridEarly = 1;
+constexpr int kLoopEarly = 2;
 
 // Block row y of a grid with fewer rows than tiles: tiles y, y + rows, ... (the loop kernel, the
 // one-tile grid's OVF instances).
@@ -1039,47 +829,39 @@ __device__ __forceinline__ void gemm_tile_rows(const GemmArgs& a, const int num_
   }
 }
 
-// v6: grid (n-blocks, t_max); blocks past num_tiles exit.
+// v6 one-tile grid: grid (n-blocks, t_max); blocks past num_tiles exit.
 // OVF: grid (n-blocks, R) with R < t_max rows (one_tile_rows): block row y runs tile y, then
 // (only when the call has more than R tiles) y + R, y + 2R, ... The worst-case grid is mostly
-// blocks past num_tiles (at M = 128 ~80%), dispatched after every real block: the timelines
-// show them entering up to 10 us after the last real block is done, the next kernel launching
-// only behind them. Spreading them among the real ones instead (tiles along x) was slower (1.02-
-// 1.03 at M = 16-64, session 17 call 3), as was the loop kernel on capped rows (1.03 at M = 16-
-// 64: its code; 0.98 at M = 128: the exits it saves, call 4).
+// blocks past num_tiles (at M = 128 ~80%), dispatched after every real block: they enter up to
+// 10 us after the last real block is done, and the next kernel launches only behind them.
+// Spreading them among the real ones instead (tiles along x) measured 1.02-1.03x at M = 16-64,
+// the loop kernel on capped rows 1.03x at M = 16-64 (its code) and 0.98x at M = 128.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, bool OVF = false>
 __global__ void __launch_bounds__(NW * NK * 32) moe_gemm_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
-  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
-  tl_mark(GATED ? 1 : 2, 1);
   const int num_tiles = *a.num_tiles;
   if (tile >= num_tiles) return;
   if constexpr (OVF) {
-    // One gemm_tile call site (session 18): half the code of the tile-then-loop form, whose two
-    // calls ptxas inlined both; the same time (H200, paired, M = 64-128: 0.998-1.005).
+    // One gemm_tile call site: half the code of a tile-then-loop form, whose two calls ptxas
+    // inlines both, at the same time (H200, M = 64-128: 0.998-1.005x).
     gemm_tile_rows<BT, WM, NW, NK, KG, ST, GATED, kGridEarly>(a, num_tiles);
   } else {
     gemm_tile<BT, WM, NW, NK, KG, ST, GATED, false, kGridEarly>(a, tile, blockIdx.x);
   }
-  tl_done(GATED ? 1 : 2);
 }
 
 // v6 on a grid of fewer rows than t_max (grid_rows): each block loops over tiles y, y + rows, ...
-// A kernel of its own: the loop raised ptxas's register use of the split-K 8 instances from 40
-// to 88 (one block per SM by registers), and the full grid must not pay for it. MB: blocks per
-// SM asked of ptxas. 2 for calls of <= 8 routes (M = 1, 2 rows; 70-80 registers); loop_mb (64
-// registers at BT 8) for the caps of larger decode calls (grid_rows), which need the full grid's
-// occupancy (session 9).
+// A kernel of its own: the loop raises ptxas's register use (a block of 8 split-K warps went from
+// 40 to 88 registers, one block per SM), and the one-tile grid must not pay for it. MB: blocks
+// per SM asked of ptxas: 2 for calls of <= kCapTwoMaxRoutes routes (60-100 registers); loop_mb
+// (64 registers) for larger capped calls, which need the one-tile grid's occupancy.
 template <int BT, int WM, int NW, int NK, int KG, int ST, bool GATED, int MB>
 __global__ void __launch_bounds__(NW * NK * 32, MB)
     moe_gemm_loop_kernel(const GemmArgs a) {
-  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
-  tl_mark(GATED ? 1 : 2, 1);
   const int num_tiles = *a.num_tiles;
-  gemm_tile_rows<BT, WM, NW, NK, KG, ST, GATED, kDecodeEarly>(a, num_tiles);
-  if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(GATED ? 1 : 2);
+  gemm_tile_rows<BT, WM, NW, NK, KG, ST, GATED, kLoopEarly>(a, num_tiles);
 }
 
 // GEMM2 at decode with its items spread over the SMs (calls GEMM1 routed itself:
@@ -1087,8 +869,8 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
 // = tile * n-blocks + n-block. The block scheduler fills some SMs (ids 124-131 on the H200) with
 // more of a grid's first blocks than others, so the (n-blocks, rows) grid of a 2-tile call at
 // M = 2 put 3 of its 256 real blocks on 8 SMs and 1 on 16 (GEMM2 10.2 us where 2 per SM stream
-// in ~7; session 15 timelines). Here each block takes a place q = slot S + sm, its SM's next
-// free slot (an atomic counter per SM), and runs items q, q + P S, ..., so item i runs on SM
+// in ~7, from per-block timestamps). Here each block takes a place q = slot S + sm, its SM's
+// next free slot (an atomic counter per SM), and runs items q, q + P S, ..., so item i runs on SM
 // i % S and every call's items are spread evenly. Places are handed out exactly once whatever
 // the placement (a block whose SM already gave out its P slots takes a free one elsewhere: there
 // are as many places as blocks), so the results never depend on it, only the balance does.
@@ -1099,13 +881,9 @@ __device__ __forceinline__ unsigned sm_id() {
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
   return r;
 }
-// sms < 0 (EXPERTD_KERNEL_SPREAD_SCAN=1, a test of the fallback): every block takes its place
-// by the scan, as a block whose SM gave out its slots does.
-__device__ __forceinline__ int spread_place(int* slots, const int per_sm, int sms) {
+__device__ __forceinline__ int spread_place(int* slots, const int per_sm, const int sms) {
   const unsigned sm = sm_id();
-  const bool own = sms > 0;
-  if (!own) sms = -sms;
-  if (own && sm < static_cast<unsigned>(sms)) {
+  if (sm < static_cast<unsigned>(sms)) {
     const int t = atomicAdd(&slots[sm], 1);
     if (t < per_sm) return t * sms + static_cast<int>(sm);
   }
@@ -1120,44 +898,31 @@ template <int BT, int WM, int NW, int NK, int KG, int ST, int MB>
 __global__ void __launch_bounds__(NW * NK * 32, MB)
     moe_gemm_spread_kernel(const GemmArgs a, const int sms) {
   __shared__ int place;
-  tl_mark(2, 0);
   pdl_wait();
-  tl_mark(2, 1);
   const int num_tiles = *a.num_tiles;  // in flight with the slot's atomic
   if (threadIdx.x == 0)
-    place = spread_place(const_cast<int*>(a.num_tiles) + kSlotsOff, gridDim.x / abs(sms), sms);
+    place = spread_place(const_cast<int*>(a.num_tiles) + kSlotsOff, gridDim.x / sms, sms);
   __syncthreads();
   const int nb = a.mt / (NW * WM), items = num_tiles * nb, first = place;
   for (int it = first; it < items; it += gridDim.x) {
     if (it != first) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, false, false, kDecodeEarly>(a, it / nb, it % nb);
+    gemm_tile<BT, WM, NW, NK, KG, ST, false, false, kLoopEarly>(a, it / nb, it % nb);
   }
-  if (first < items) tl_done(2);
 }
 
-// Small calls route themselves (session 13): for calls of at most kSelfMaxRoutes routes on a shard
-// of at most 32 experts at BT 8 (M <= 8 at top-8; the v6 loop kernels), route_kernel is not
-// launched. Each GEMM1 block's first warp computes the whole routing from topk_ids (two routes per
-// lane: a handful of shuffles) into shared memory, so GEMM1 no longer waits for a one-block kernel
-// (~3 us at M = 1 in the timelines of sessions 11-12, routing 8 routes) and its blocks read no
-// index from global memory; block (0, 0) also writes route_kernel's tables (num_tiles,
-// tile_expert, sorted_route, pos_of_route) for GEMM2 and finalize, which read them after their
-// waits as before. The positions are route_kernel's (each expert's routes padded to whole tiles,
-// experts in local order), an expert's routes in route order (route_kernel's order inside an
-// expert follows its shared-memory atomics; a route's output depends on its own row only, so the
-// bits are the same: tests/test_cuda_kernels.py). H200, session 13 call 1 (library A/B, the same
-// library with EXPERTD_KERNEL_SELF_ROUTE=0 and main; 32 input sets at M <= 2): self-routed / main
-// M = 1 0.944 and 0.950 (-1.1 us), 2 0.962 / 0.965, 4 0.965 / 0.978, 8 0.989 / 1.000.
+// Small calls route themselves: a call of at most kSelfMaxRoutes routes on a shard of at most
+// kSelfMaxExperts experts on a capped v6 grid (BT 8, M <= 8 at top-8) launches no route_kernel.
+// Each GEMM1 block's first warp computes the whole routing from topk_ids (two routes per lane: a
+// handful of shuffles) into shared memory, so GEMM1 does not wait for a one-block kernel (~3 us at
+// M = 1, routing 8 routes) and its blocks read no index from global memory; block (0, 0) also
+// writes route_kernel's tables (num_tiles, tile_expert, sorted_route, pos_of_route) for GEMM2 and
+// finalize, which read them after their waits. The positions are route_kernel's (each expert's
+// routes padded to whole tiles, experts in local order), an expert's routes in route order
+// (route_kernel's order inside an expert follows its shared-memory atomics; a route's output
+// depends on its own row only, so the bits are the same). Measured on the H200 against
+// route_kernel + the loop kernel: M = 1 0.94-0.95x (-1.1 us), 2 0.96x, 4 0.97-0.98x, 8 0.99-1.00x.
 constexpr int kSelfMaxRoutes = 64;
 constexpr int kSelfMaxExperts = 32;  // one lane per local expert
-// Blocks per SM asked of ptxas for the self-routed GEMM1 of calls of <= 8 routes: 2 (102
-// registers, 4 blocks per SM). The timeline build's marks took it to 132 registers and 3 blocks
-// per SM (a second wave of blocks at M = 1, session 13), so that build asks for 4.
-#ifdef EXPERTD_TIMELINE
-constexpr int kSelfTwoMb = 4;
-#else
-constexpr int kSelfTwoMb = 2;
-#endif
 struct SelfRoute {
   const int* topk_ids;
   const int* local_of;
@@ -1215,9 +980,9 @@ __device__ __forceinline__ int self_route(const SelfRoute& s, const int lane, in
   return total / BT;
 }
 
-// GEMM1 (gate / up) of a small call on a v6 loop grid, routing itself (above); otherwise
-// moe_gemm_loop_kernel<GATED>. Block (0, 0) carries the timeline's "route" record (kernel 0:
-// entry, wait, routed, tables written).
+// GEMM1 (gate / up) of a small call on a capped v6 grid, routing itself (above). MB: as
+// moe_gemm_loop_kernel's (2 for calls of <= kCapTwoMaxRoutes routes: 102 registers, 4 blocks per
+// SM, so M = 1's GEMM1 blocks run in one wave).
 template <int BT, int WM, int NW, int NK, int KG, int ST, int MB>
 __global__ void __launch_bounds__(NW * NK * 32, MB)
     moe_gemm_self_kernel(const GemmArgs a, const SelfRoute s) {
@@ -1227,24 +992,18 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   __shared__ int tile_e[kMaxTiles + 1];  // + the tile count
   __shared__ int sorted[kMaxTiles * BT];
   const bool tables = blockIdx.x == 0 && blockIdx.y == 0;  // this block writes the tables
-  tl_mark(1, 0);
-  if (tables) tl_mark(0, 0);
   pdl_wait();  // the previous kernel on the stream (the last call's finalize reads pos_of_route)
-  tl_mark(1, 1);
-  if (tables) tl_mark(0, 1);
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int p0, p1;
     const int nt = self_route<BT>(s, lane, cnt, tile_e, sorted, p0, p1);
     if (lane == 0) tile_e[kMaxTiles] = nt;
     if (tables) {
-      tl_mark(0, 2);
       if (lane == 0) *s.num_tiles = nt;
       for (int t = lane; t < nt; t += 32) s.tile_expert[t] = tile_e[t];
       for (int p = lane; p < nt * BT; p += 32) s.sorted_route[p] = sorted[p];
       if (lane < s.routes) s.pos_of_route[lane] = p0;
       if (lane + 32 < s.routes) s.pos_of_route[lane + 32] = p1;
-      tl_mark(0, 3);
     }
   } else if (tables) {  // moe_gemm_spread_kernel's per-SM slot counters for this call
     for (int i = threadIdx.x - 32; i < kMaxSlots; i += blockDim.x - 32)
@@ -1254,9 +1013,8 @@ __global__ void __launch_bounds__(NW * NK * 32, MB)
   const int num_tiles = tile_e[kMaxTiles];
   for (int tile = blockIdx.y; tile < num_tiles; tile += gridDim.y) {
     if (tile != static_cast<int>(blockIdx.y)) __syncthreads();  // the last item's memory is free
-    gemm_tile<BT, WM, NW, NK, KG, ST, true, true, kDecodeEarly>(a, tile, blockIdx.x, tile_e, sorted);
+    gemm_tile<BT, WM, NW, NK, KG, ST, true, true, kLoopEarly>(a, tile, blockIdx.x, tile_e, sorted);
   }
-  if (static_cast<int>(blockIdx.y) < num_tiles) tl_done(1);
 }
 
 // ------------------------------------ v8: warpgroup MMA --------------------------------------
@@ -1274,11 +1032,11 @@ struct WgShape {
   static constexpr int kSBytes = kMTiles * KG * 128;
   static constexpr int kStageBytes = kABytes + kWBytes + kSBytes;
   // Room to align the ring to 1024 bytes (the 128-byte swizzle's atom): the dynamic area starts
-  // right after the kernel's static shared memory (a build that trapped otherwise passed every
-  // GPU test, session 20), so the pad needed is (-static) mod 1024; 1024 covers any static size.
-  // BT 32 takes 896 (its statics are 1152 / 2176 B, 128 mod 1024), which fits 3 GEMM2 blocks of
-  // KG 2 / ST 4 in an SM's 228 KB (3 x 77,824 B with the 1 KB each block reserves; session 20).
-  // set_smem_attrs_v8 checks the pad against the statics at start-up.
+  // right after the kernel's static shared memory (a misaligned ring computes garbage without
+  // faulting), so the pad needed is (-static) mod 1024; 1024 covers any static size. BT 32 takes
+  // 896 (its statics are 1152 / 2176 B, 128 mod 1024), which fits 3 GEMM2 blocks of KG 2 / ST 4
+  // in an SM's 228 KB (3 x 77,824 B with the 1 KB each block reserves). set_smem_attrs_v8 checks
+  // the pad against the statics at start-up.
   static constexpr int kAlignPad = BT == 32 ? 896 : 1024;
   static constexpr int kSmemBytes = kStageBytes * ST + kAlignPad;
   static constexpr int kChunksPerRow = KG * 8;
@@ -1449,14 +1207,13 @@ __device__ __forceinline__ void v8_copy_weights(const uint32_t base,
 // Overlap of dequantization and tensor work comes from the other warpgroups on the SM: keeping
 // wgmmas in flight while the next stage is dequantized into the A registers makes ptxas
 // serialize every wgmma (C7513: no non-wgmma definition of a wgmma input register while wgmmas
-// are in flight), and a second register set moved in after the wait bought 2-6% (NOTES.md).
+// are in flight); ring 3 below dequantizes into a second register set instead.
 // Sums in k order into one accumulator per thread (no split-K): other fp32 rounding than v6.
-// RING 2 (the default at BT 16, 32 and 64): the block-barrier ring with a stage's copies issued
-// after its wgmmas, not before its dequantization (the math starts right at the barrier; the slot
-// refilled is stage kt - 1's, which the barrier already freed). RING 3 (BT 48 and from BT 96,
-// wg_ring): ring 2 pipelined, the next unit dequantized under the current unit's wgmmas. Both
-// compute the same bits. (Rings 0, copies before the math, and 1, mbarriers instead of the block
-// barrier, were removed in session 6: slower or racecheck-unclear; NOTES.md.)
+// RING 2 (BT 16, 32, 64): the block-barrier ring with a stage's copies issued after its wgmmas,
+// not before its dequantization (the math starts right at the barrier; the slot refilled is stage
+// kt - 1's, which the barrier already freed). RING 3 (BT 48 and from BT 96): ring 2 pipelined,
+// the next unit dequantized under the current unit's wgmmas. Both compute the same bits; the
+// v8 configurations (V8Bt16 ... V8Bt160) give each tile size its ring and the measurements.
 template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int N, int RING>
 __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const int xb,
                                         const int e, const int (&row_off)[BT],
@@ -1520,7 +1277,7 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
     // barrier between stages kt and kt + 1 a warp's last unit of kt may still be in flight, so
     // the slot refilled there is stage kt - 1's (all its wgmmas waited before the barrier).
     // Units of 4 k-steps (2 at KG 1); units of 2 at every KG measured 1.00-1.05x slower at BT 48
-    // even with a third block per SM (session 21, NOTES.md).
+    // even with a third block per SM.
     constexpr int U = KG >= 2 ? 4 : 2;
     constexpr int UPS = 4 * KG / U;  // units per stage: even, so unit 0 always uses set A
     constexpr int D = ST - 2;
@@ -1580,10 +1337,10 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       if (s < kt_count) load_stage(s, s);
       cp_async_commit();
     }
-    // Below BT 96 (the ring 2 tiles of the defaults) the loop is unrolled by ST: stage kt0 + s
-    // sits in ring slot s (compile-time smem and descriptor offsets, no "kt % ST"; at BT 96 and
-    // up the unrolled loop spills, and those tiles run ring 3 by default).
-    auto stage = [&](const int kt, const int slot) {  // BT < 96: slot is a constant
+    // Unrolled by ST: stage kt0 + s sits in ring slot s (compile-time smem and descriptor
+    // offsets, no "kt % ST"). From BT 96 the unrolled ring 2 spills, and those tiles run ring 3.
+    static_assert(BT < 96, "ring 2 is compiled for tiles below 96");
+    auto stage = [&](const int kt, const int slot) {  // slot is a constant
       cp_async_wait<ST - 2>();
       __syncthreads();  // stage kt visible; every warp is done with stage kt - 1 (wgmmas waited)
       const int next = kt + ST - 1;  // into the slot of stage kt - 1
@@ -1595,44 +1352,27 @@ __device__ __forceinline__ void v8_tile(const GemmArgs& a, const int tile, const
       cp_async_commit();
       wgmma_wait<0>();  // this stage's slot and the A registers are free again
     };
-    if constexpr (BT < 96) {
-      for (int kt0 = 0; kt0 < kt_count; kt0 += ST) {
+    for (int kt0 = 0; kt0 < kt_count; kt0 += ST) {
 #pragma unroll
-        for (int s = 0; s < ST; ++s)
-          if (kt0 + s < kt_count) stage(kt0 + s, s);
-      }
-    } else {
-      for (int kt = 0; kt < kt_count; ++kt) {  // (as a lambda call, BT 160 spilled)
-        cp_async_wait<ST - 2>();
-        __syncthreads();
-        const int next = kt + ST - 1;
-        const int slot = kt % ST;
-        const uint8_t* w_s = smem + slot * S::kStageBytes + S::kABytes;
-        dequant_stage<WM, KG>(w_s, w_s + S::kWBytes, warp, lane, af);
-        issue_stage<BT, WM, KG, N>(af, acc, desc_base + ((slot * S::kStageBytes) >> 4));
-        if (next < kt_count) load_stage(next % ST, next);
-        cp_async_commit();
-        wgmma_wait<0>();
-      }
+      for (int s = 0; s < ST; ++s)
+        if (kt0 + s < kt_count) stage(kt0 + s, s);
     }
     cp_async_wait<0>();
   }
-  tl_mark(GATED ? 1 : 2, 2);
   pdl_launch_dependents();
   gemm_epilogue<BT, WM, S::kWarps, GATED>(a, reinterpret_cast<const float(&)[WM][NT][4]>(acc),
                                            e, tile, xb, mt0, warp, true, red);
 }
 
 // The wgmma width for a tile with `rows` valid routes: the smallest of 8 (BT 16 only: at BT 32 the
-// extra mainloop made ptxas spill), 16, 32, ... that is >= rows, at BT 16, 32 and from BT 64;
+// extra mainloop makes ptxas spill), 16, 32, ... that is >= rows, at BT 16, 32 and from BT 64;
 // 32 or 48 at BT 48. MMAs on padding cost time: in compute-bound calls, and where a tile holds
 // few routes the dequantization's ALU work and the MMAs add up, so an MMA half as wide is ~5-12%
-// cheaper per weight (session 8); at the board's power cap (from M = 16) they cost energy too
-// (session 21: every tile at N = BT took +5% energy per call at M = 512, +7-12% at 2048). BT 48's
-// tiles of <= 32 routes on the 32-wide mainloop (session 21): 0.945-0.950 at M = 1024 on input
-// sets that ran ~25% slower than the sweep's (cause not found), 0.96-1.0 at 896-960,
-// 0.98-1.02 at 1088-1152; 0.996-0.999 in time, 0.98-1.01 in energy on one typical M = 1024 set
-// (sessions 5 and 8 had measured 0.999-1.006): it pays where tiles carry much padding.
+// cheaper per weight; at the board's power cap (from M = 16) they cost energy too (every tile at
+// N = BT measured +5% energy per call at M = 512, +7-12% at 2048, H200). BT 48's tiles of <= 32
+// routes on the 32-wide mainloop: 0.945-1.0x the time at M = 896-1024, 0.98-1.02x at
+// 1088-1152; it pays where tiles carry much padding. Every width computes the same bits (the
+// padding columns are separate sums).
 constexpr int v8_first_n(int bt) {
   return bt == 16 ? 8 : bt == 32 || bt >= 64 ? 16 : bt == 48 ? 32 : bt;
 }
@@ -1656,12 +1396,10 @@ __device__ __forceinline__ void v8_dispatch(const GemmArgs& a, const int tile, c
 
 // v8: grid (n-blocks, t_max) as v6; blocks past num_tiles exit. A tile's valid routes are a
 // prefix of its positions (route_kernel fills each tile from its first position).
-template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING = 0>
+template <int BT, int NWG, int WM, int KG, int ST, int MB, bool GATED, int RING>
 __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmArgs a) {
   const int tile = blockIdx.y;
-  tl_mark(GATED ? 1 : 2, 0);
   pdl_wait();
-  tl_mark(GATED ? 1 : 2, 1);
   if (tile >= *a.num_tiles) return;
   const int e = a.tile_expert[tile];
   extern __shared__ uint8_t smem_raw[];
@@ -1679,9 +1417,8 @@ __global__ void __launch_bounds__(NWG * 128, MB) moe_gemm_v8_kernel(const GemmAr
       row_off[tid] = valid ? pos * a.k : -1;  // pcap * k below 2^31 (host); padding: zero-filled
   }
   const int rows = __syncthreads_count(valid);
-  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, max(rows, a.min_rows),
-                                                    row_off, red, smem_raw);
-  tl_done(GATED ? 1 : 2);
+  v8_dispatch<BT, NWG, WM, KG, ST, MB, GATED, RING>(a, tile, blockIdx.x, e, rows, row_off, red,
+                                                    smem_raw);
 }
 
 // ------------------------------------ 4. norm + weighted sum ---------------------------------
@@ -1704,8 +1441,8 @@ __device__ __forceinline__ float route_coef(const int p, const float w, const fl
   return p >= 0 ? w / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
 }
 
-// Token t's coefficients coef_j = w_j / rms_j (route_sq_sum, route_coef) and positions (-1: route not owned
-// here) into shared memory, one warp per route. Every thread of the block calls it.
+// Token t's coefficients coef_j = w_j / rms_j (route_sq_sum, route_coef) and positions (-1: route
+// not owned here) into shared memory, one warp per route. Every thread of the block calls it.
 __device__ __forceinline__ void finalize_coefs(const int t, const int* __restrict__ pos_of_route,
                                                const float* __restrict__ topk_weights,
                                                const int top_k, const float* __restrict__ partial,
@@ -1715,8 +1452,8 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
   for (int j = warp; j < top_k; j += nwarps) {
     const long long rj = static_cast<long long>(t) * top_k + j;
     const int p = pos_of_route[rj];
-    // Loaded beside p, not after the sum (one dependent L2 round trip fewer; session 11, library
-    // A/B: M = 1-16 0.985-0.997 in 3 rounds, 64-2048 0.974-1.01)
+    // Loaded beside p, not after the sum: one dependent L2 round trip fewer (measured M = 1-16
+    // 0.985-0.997x, 64-2048 0.974-1.01x)
     const float wj = topk_weights[rj];
     const float sj = route_sq_sum(p, partial, nparts, pcap, lane);
     if (lane == 0) {
@@ -1799,10 +1536,9 @@ __device__ __forceinline__ void finalize_chunk(const int t, const int c, const i
 // only after every GEMM2 block has triggered or exited; through L2, never an L1 line of an earlier
 // call); after it, each thread's z chunks of the owned routes and warp j's partial sums of route
 // j are in flight together. The same sums in the same order as finalize_coefs +
-// finalize_chunk_batched, so the same bits. Session 14 (H200, diagnostic builds): finalize's
-// work after its wait is on a decode call's critical path, ~1 us for the coefficients and ~1 us
-// for the z chunks at M = 1; this version, library A/B against the three-trip one: M = 1 0.988-
-// 0.991, 2 0.987-0.999, 4 0.994-0.996, 8-256 neutral (most of those 2 us are not the trips).
+// finalize_chunk_batched, so the same bits. finalize's work after its wait is on a decode call's
+// critical path (~1 us for the coefficients and ~1 us for the z chunks at M = 1, H200); against
+// the three-trip form: M = 1 0.988-0.991x, 2 0.987-0.999x, 4 0.994-0.996x, 8-256 neutral.
 __device__ __forceinline__ void finalize_one_trip(const int t, const int* __restrict__ pos_of_route,
                                                   const float* __restrict__ topk_weights,
                                                   const int top_k, const uint16_t* __restrict__ z,
@@ -1818,7 +1554,6 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
   const int pw = warp < top_k ? __ldcg(pos_of_route + r0 + warp) : -1;
   const float ww = warp < top_k ? topk_weights[r0 + warp] : 0.0f;
   pdl_wait();
-  tl_mark(3, 1);
   uint4 v[kFinBatch];
 #pragma unroll
   for (int u = 0; u < kFinBatch; ++u)
@@ -1830,7 +1565,6 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
     if (lane == 0) coef[warp] = route_coef(pw, ww, sw, h);
   }
   __syncthreads();
-  tl_mark(3, 2);
   if (c >= h / 8) return;
   float acc[8];
 #pragma unroll
@@ -1841,8 +1575,9 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
   fin_store(acc, t, c, h, out);
 }
 
-// One block per token; H / 8 16-byte chunks spread over the threads (BATCHED: the routes' loads
-// issued together).
+// One block per token; H / 8 16-byte chunks spread over the threads. BATCHED (calls of fewer than
+// kFinBatchedMaxTokens tokens): a token's route loads issued together, H / 8 threads (at most
+// 512); otherwise one route after another on 256 threads (fin_threads).
 template <bool BATCHED>
 __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
                                 const float* __restrict__ topk_weights, int top_k,
@@ -1852,25 +1587,21 @@ __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
   float* coef = fsm;
   int* pos = reinterpret_cast<int*>(fsm + top_k);
   const int t = blockIdx.x;
-  tl_mark(3, 0);
   if (BATCHED && top_k <= kFinBatch && top_k <= static_cast<int>(blockDim.x >> 5) &&
       h / 8 <= static_cast<int>(blockDim.x)) {
     finalize_one_trip(t, pos_of_route, topk_weights, top_k, z, partial, nparts, pcap, h, out, coef);
-    tl_done(3);
     return;
   }
   pdl_wait();
-  tl_mark(3, 1);
   finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
-  tl_mark(3, 2);  // the timeline's "loop_done" of finalize: the coefficients are known
   for (int c = threadIdx.x; c < h / 8; c += blockDim.x) {
     if constexpr (BATCHED)
       finalize_chunk_batched(t, c, top_k, coef, pos, z, h, out);
     else
       finalize_chunk(t, c, top_k, coef, pos, z, h, out);
   }
-  tl_done(3);
 }
+
 
 // ------------------------------------ host side ----------------------------------------------
 
@@ -1890,137 +1621,9 @@ int check_launch(const char* what) {
   return 0;
 }
 
-struct Plan {
-  int bt;
-  int path;  // 6 (mma.sync) or 8 (wgmma)
-  int t_max;
-  int pcap;
-  int nparts;  // GEMM2 n-blocks = H / rows per block
-  int g1_rows;  // weight rows per GEMM1 block
-};
-
-// How route_kernel fills an expert's tiles: in order (the default: full tiles first), or with
-// EXPERTD_KERNEL_ROUTE_BALANCE=1 round-robin, every tile of an expert about equally full (an
-// experiment: same bits, H200 paired against in order: M = 16-1024 1.00, 4096 1.01, 16384 1.04;
-// the wider wgmmas of full tiles win over equal narrower ones).
-int route_balanced() {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_BALANCE");
-  return v && v[0] == '1';
-}
-
-// Calls of at least this many routes are routed by route_count_kernel + route_scatter_kernel
-// (EXPERTD_KERNEL_ROUTE_MULTI=N; 0: never). Default 16384 (M = 2048 at top-8). H200, session
-// 6, route_kernel (one block) / the two kernels, alternating runs: M = 2048 1.008, 4096 1.015,
-// 8192 1.017, 16384 1.019; from 8192 routes (M = 1024) 0.999: no gain there.
-long long route_multi_min() {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_MULTI");
-  if (v && v[0]) {
-    const long long n = atoll(v);
-    return n > 0 ? n : LLONG_MAX;
-  }
-  return 16384;
-}
-
-// A/B switches of the v8 MMA width (same bits): EXPERTD_KERNEL_WG_FULLN=1 runs every tile at
-// N = BT; EXPERTD_KERNEL_WG_MIN_N=16 trims no tile below 16 (no 8-wide mainloop).
-int wg_min_rows() {
-  const char* v = getenv("EXPERTD_KERNEL_WG_FULLN");
-  if (v && v[0] == '1') return 1 << 20;
-  v = getenv("EXPERTD_KERNEL_WG_MIN_N");
-  return (v && v[0]) ? atoi(v) - 7 : 0;  // 16: tiles of <= 8 routes take the 16-wide mainloop
-}
-
-// The v8 ring of every call (v8_tile's RING; both compute the same bits), from
-// EXPERTD_KERNEL_WG_RING (2 or 3): 2 the block barrier with the copies issued after the stage's
-// wgmmas, 3 ring 2 with the next unit dequantized under the current unit's wgmmas (copies ST - 2
-// stages ahead). Default: 3 from BT 96, 2 below. H200, timed in alternating runs: session 4, 2
-// against the removed ring 0 (copies before the math): M = 256 0.99, 1024 1.00, 2048 0.96,
-// 4096-16384 0.91-0.93; the removed mbarrier ring 1 against 0: 2048 0.91, 4096-16384 0.95-0.97,
-// 1024 1.04, with racecheck hazards it could not rule out. Session 5, 3 / 2: M = 2048 0.93,
-// 3072-16384 0.98-0.99; 128-1024 (BT 32 / 48) 1.01: 2 stays there. Session 19 (calls 4-5, 7
-// rounds), 3 / 2 on today's kernels: BT 48 (M = 1024) 0.984-0.997 in all 7, M = 896 0.977-1.019,
-// 1152 0.90-1.07; BT 16 (KG 4 then) / 32 1.02 / 1.00-1.14 (M = 256 / 512-768); BT 64 1.006-1.017
-// at M = 1280, 0.95-1.065 at 1408-1792 (call 8 too); ring 2 at BT 96 / 160 1.05-1.07 / 1.09. So 3
-// at BT 48 and from 96.
-int wg_ring(int bt) {
-  const char* v = getenv("EXPERTD_KERNEL_WG_RING");
-  if (v && (v[0] == '2' || v[0] == '3')) return v[0] - '0';
-  return bt == 48 || bt >= 96 ? 3 : 2;
-}
-
-// Weight rows per block of GEMM1 / GEMM2 for a tile size and path; 0 = not compiled.
-int g2_rows_for(int bt, int path) {
-  if (path == 8) {
-#define EXPERTD_WG_G2ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (bt == BT) return 64 * G2 * W2;
-    EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G2ROWS)
-#undef EXPERTD_WG_G2ROWS
-    return 0;
-  }
-#define EXPERTD_G2ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (bt == BT) return 16 * W2 * N2;
-  EXPERTD_FOR_EACH_CONFIG(EXPERTD_G2ROWS)
-#undef EXPERTD_G2ROWS
-  return 0;
-}
-int g1_rows_for(int bt, int path) {
-  if (path == 8) {
-#define EXPERTD_WG_G1ROWS(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (bt == BT) return 64 * G1 * W1;
-    EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_WG_G1ROWS)
-#undef EXPERTD_WG_G1ROWS
-    return 0;
-  }
-#define EXPERTD_G1ROWS(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (bt == BT) return 16 * W1 * N1;
-  EXPERTD_FOR_EACH_CONFIG(EXPERTD_G1ROWS)
-#undef EXPERTD_G1ROWS
-  return 0;
-}
-
-// GEMM path per call: v6 = mma.sync, grid (n-blocks, t_max); v8 = wgmma (sm_90a warpgroup
-// MMA), grid as v6; v8 sums K in another order than v6 (no split-K). Default by tile size: v8
-// from BT = kV8MinBt where compiled, v6 below. EXPERTD_KERNEL_PATH=6 / 8 forces a path wherever
-// the tile size has it (benchmark A/B, tests of each); any other value forces nothing (so does 9,
-// the removed fused decode kernel's).
-constexpr int kV8MinBt = 16;
-int forced_path() {
-  const char* v = getenv("EXPERTD_KERNEL_PATH");
-  if (!(v && v[0])) return 0;
-  const char c = v[0] == 'v' ? v[1] : v[0];
-  return c == '6' ? 6 : c == '8' ? 8 : 0;
-}
-int kernel_path(int bt) {
-  const int f = forced_path();
-  const bool wg = g1_rows_for(bt, 8) != 0, mma = g1_rows_for(bt, 6) != 0;
-  if (f == 8 && wg) return 8;
-  if (f == 6 && mma) return 6;
-  // the default (also where a forced path has no configuration for this BT)
-  if (wg && (bt >= kV8MinBt || !mma)) return 8;
-  return 6;
-}
-
-Plan make_plan(long long m, int top_k, int h, int el, int bt, int path) {
-  Plan p;
-  p.path = path;
-  const long long routes = m * top_k;
-  p.bt = bt;
-  p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
-  p.pcap = p.t_max * bt;
-  p.g1_rows = g1_rows_for(bt, path);
-  const int g2 = g2_rows_for(bt, path);
-  p.nparts = g2 ? h / g2 : 0;
-  return p;
-}
-
-// Launch with programmatic dependent launch (unless EXPERTD_KERNEL_PDL=0): the kernel's blocks are
-// scheduled while the previous kernel on the stream finishes; each kernel waits for it
-// (pdl_wait) before touching its outputs. Captured into CUDA graphs as programmatic edges.
-bool use_pdl() {
-  const char* v = getenv("EXPERTD_KERNEL_PDL");
-  return !(v && v[0] == '0');
-}
-
+// Every kernel is launched with programmatic dependent launch: its blocks are scheduled while the
+// previous kernel on the stream finishes, and each waits for it (pdl_wait) before touching its
+// outputs (1.5-2.5 us per call on the H200). CUDA graphs capture it as programmatic edges.
 template <typename Kernel, typename... Args>
 int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
            Args... args) {
@@ -2030,13 +1633,10 @@ int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, 
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  int n = 0;
-  if (use_pdl()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = 1;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "%s: %s", what, cudaGetErrorString(err));
@@ -2045,7 +1645,250 @@ int launch(const char* what, Kernel kernel, dim3 grid, dim3 block, size_t smem, 
   return check_launch(what);
 }
 
+// The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
+template <typename K1, typename K2>
+int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
+                     const char* what2, K2 k2, dim3 grid2, int threads2, int smem2,
+                     const GemmArgs& g1, const GemmArgs& g2, cudaStream_t stream) {
+  if (int rc = launch(what1, k1, grid1, dim3(threads1), smem1, stream, g1)) return rc;
+  return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
+}
+
+// ----------------------------- call-size thresholds (H200 measurements) ------------------------
+// Ratios are times against the alternative named, timed in alternating runs of CUDA-graph
+// replays (benchmarks/kernel.py's method), routes = M top_k.
+
+// route_kernel's block: 256 threads for calls of <= kRouteSmallMaxRoutes routes (fewer warps at
+// each barrier), else 1024 (256 / 1024 threads: M = 1 0.981, 2 0.989, 4 0.998, 8-128 1.00).
+constexpr long long kRouteSmallMaxRoutes = 64;
+// Calls of at least kRouteMultiMinRoutes routes (M = 2048 at top-8) are routed by
+// route_count_kernel + route_scatter_kernel (one block per 4096 routes): route_kernel's one block
+// measured 1.008 of them at M = 2048, 1.015-1.019 at 4096-16384, 0.999 at 1024.
+constexpr long long kRouteMultiMinRoutes = 16384;
+// finalize loads a token's routes together below kFinBatchedMaxTokens tokens (one thread per
+// 16-byte chunk: H / 8 threads, at most 512; serial / batched 1.007-1.012 at M = 1-256); larger
+// calls keep the route loop on 256 threads: a latency-bound grid of thousands of blocks wants 8
+// resident blocks per SM, and the batched kernel (64 registers x 512 threads) gets 2 (batched /
+// serial: M = 1024 1.015, 2048 1.022, 4096-16384 1.03-1.035).
+constexpr long long kFinBatchedMaxTokens = 512;
+// v6 grid rows (grid_rows): kCapRows rows for calls of <= kCapMaxRoutes routes (M <= 8 at top-8;
+// t_max is 9-40 rows there for ~1-7 tiles), blocks looping over tiles; one row per possible tile
+// (t_max) above. M = 1: 2 rows 0.97 of the full grid; 1, 3, 4 rows 1.06, 1.049, 1.097 of 2 rows;
+// M = 2-8: 2 rows 0.98-1.0 of 4 rows (to 32 routes) / 6 rows (to 64); at M = 16 6 rows measured
+// 1.069 of the full grid.
+constexpr int kCapRows = 2;
+constexpr long long kCapMaxRoutes = 64;
+// Capped calls of <= kCapTwoMaxRoutes routes (M = 1) run the loop kernels compiled for 2 blocks
+// per SM (70-100 registers); larger capped calls the ones with the one-tile grid's occupancy
+// (loop_mb), and GEMM2 spread over the SMs when GEMM1 routed the call (moe_gemm_spread_kernel;
+// against the (n-blocks, rows) grid: M = 2 0.991-0.993, 4 0.995-1.005, 8 0.987-0.991; at M = 1
+// 1.006-1.011, so M = 1 keeps the grid).
+constexpr long long kCapTwoMaxRoutes = 8;
+constexpr int kTwoMb = 2;
+template <typename G>
+constexpr int loop_mb() {
+  return 32 / (G::NW * G::NK) > 2 ? 32 / (G::NW * G::NK) : 2;
+}
+// One-tile v6 grids on fewer rows than t_max (one_tile_rows, moe_gemm_kernel<..., OVF>): GEMM2
+// from kOvfG2MinRoutes routes, GEMM1 from kOvfG1MinRoutes (M = 64 / 128 at top-8), on
+// R = ceil(2 L / 8) + min(2 L, El) rows for L the local routes uniform routing expects. Against
+// the full grids (same bits): GEMM2 alone M = 32 0.998, 64 0.997, 96 0.985, 128 0.973; GEMM1 alone
+// 1.008, 1.018, 0.998, 0.986; both at M = 128 0.959-0.966.
+constexpr long long kOvfG2MinRoutes = 512;
+constexpr long long kOvfG1MinRoutes = 1024;
+constexpr long long kOvfFactor = 2;
+constexpr long long kNoMaxRoutes = LLONG_MAX;
+
+// ------------------------------------ compiled configurations -----------------------------------
+// Only these are compiled, and each is picked by expertd_moe_forward for the calls named:
+//   BT = the caller's bt, or expertd_pick_bt(M, top_k, E);
+//   BT 8: v6 (mma.sync): V6Tiny, V6Mid or V6Large by the call's routes where H and I are
+//         multiples of 512, else V6Bk256 (with_v6_config), on the grid form its routes take
+//         (launch_v6);
+//   BT 16, 32, 48, 64, 96, 128, 144, 160: v8 (wgmma), the V8Bt<BT> configuration.
+
+// One v6 GEMM: WM m-tiles (16 weight rows) per warp, NW warps along rows, NK warps splitting each
+// stage's k-groups (split-K inside the block), KG 64-k groups per stage, ST pipeline stages.
+template <int WM_, int NW_, int NK_, int KG_, int ST_>
+struct V6Gemm {
+  static constexpr int WM = WM_, NW = NW_, NK = NK_, KG = KG_, ST = ST_;
+  using Shape = GemmShape<8, WM, NW, NK, KG, ST>;
+};
+// A v6 configuration: its two GEMMs and the routes per call it is picked for; the grid forms
+// those calls can take (and so the kernel instances compiled) follow from the route range.
+constexpr int kV6Bt = 8;
+constexpr int kV6G2Rows = 32;  // GEMM2 rows per block of every v6 configuration (nparts)
+template <typename G1_, typename G2_, long long MIN_ROUTES, long long MAX_ROUTES>
+struct V6Config {
+  using G1 = G1_;
+  using G2 = G2_;
+  static constexpr long long kMinRoutes = MIN_ROUTES, kMaxRoutes = MAX_ROUTES;
+  static constexpr bool kCapped = kMinRoutes <= kCapMaxRoutes;  // capped (looping) grids
+  static constexpr bool kCappedTwo = kCapped && kMinRoutes <= kCapTwoMaxRoutes;
+  static constexpr bool kCappedWide = kCapped && kMaxRoutes > kCapTwoMaxRoutes;
+  static constexpr bool kOvf1 = kMaxRoutes >= kOvfG1MinRoutes;
+  static constexpr bool kOvf2 = kMaxRoutes >= kOvfG2MinRoutes;
+  // The partial sums of z^2 are laid out per GEMM2 block (Plan::nparts), the same for every v6
+  // configuration so that the workspace and finalize need not know which one ran.
+  static_assert(16 * G2::WM * G2::NW == kV6G2Rows, "v6 GEMM2 blocks of 32 rows");
+};
+
+// v6 at BT 8 (decode, lambda <= 4). Where H and I are multiples of 512, stages of KG 8 (BK 512;
+// 4 in V6Large's GEMM1) split over the k-warps so that each warp takes 2-4 k-groups per stage:
+// the per-stage overhead (ring slot, copies, barrier: ~45 of the 113 instructions of a
+// one-k-group stage) is paid once per 2-4 k-groups. V6Config<GEMM1, GEMM2, routes from, to>,
+// V6Gemm<WM, NW, NK, KG, ST>:
+// Calls of <= 8 routes (M = 1): 16-row GEMM1 blocks of 4 warps, 4 stages (52 KB: 4 blocks per SM,
+// M = 1's 512 GEMM1 blocks in one wave): 0.96 of V6Mid's shape at M = 1 (32 input sets), 1.04-1.09
+// at M = 2-8.
+using V6Tiny = V6Config<V6Gemm<1, 1, 4, 8, 4>, V6Gemm<1, 2, 4, 8, 3>, 1, kCapTwoMaxRoutes>;
+// 9-127 routes: 32-row GEMM1 blocks (finer work units for the last wave at M = 2-16): against
+// 64-row blocks of 16 warps (split-K over 8 warps at M <= 2) M = 1 0.965, 2 0.988, 4 0.986, 8
+// 0.978; 16-row GEMM1 blocks 1.07-1.12 from M = 3.
+using V6Mid = V6Config<V6Gemm<1, 2, 4, 8, 3>, V6Gemm<1, 2, 4, 8, 3>, kCapTwoMaxRoutes + 1, 127>;
+// From 128 routes: GEMM1 stages half as deep in k with 2 k-warps (27 KB, 48-60 registers: 8
+// blocks of 4 warps per SM), GEMM2 4 k-groups per warp: against KG 8 GEMM1 stages M = 16 0.984,
+// 32 0.967, 64 0.958 (1.01-1.11 below 128 routes).
+using V6Large = V6Config<V6Gemm<1, 2, 2, 4, 3>, V6Gemm<1, 2, 2, 8, 3>, 128, kNoMaxRoutes>;
+// Any call where H or I is not a multiple of 512 (BK 256): 16 warps per block, two blocks per SM,
+// the 6-stage ring deep enough for the H200's latency (one block per SM with a deeper ring: 1.3-
+// 1.45x from M = 2).
+using V6Bk256 = V6Config<V6Gemm<1, 4, 4, 4, 6>, V6Gemm<1, 2, 4, 4, 6>, 1, kNoMaxRoutes>;
+// Measured and not compiled: split-K over 8 warps of 32-row blocks (5% faster at M = 1-2, 3-4%
+// slower from M = 4); one block per SM with 8-11 stages in flight (3-25% slower); 32-warp GEMM1
+// blocks (1-24% slower); warp-private blocks (1.03-1.21).
+
+template <typename Fn>
+void for_each_v6_config(Fn&& fn) {
+  fn(V6Tiny{});
+  fn(V6Mid{});
+  fn(V6Large{});
+  fn(V6Bk256{});
+}
+// fn(C{}) for the v6 configuration of a call.
+template <typename Fn>
+auto with_v6_config(long long routes, int h, int inter, Fn&& fn) {
+  if (h % 512 || inter % 512) return fn(V6Bk256{});
+  if (routes <= V6Tiny::kMaxRoutes) return fn(V6Tiny{});
+  if (routes <= V6Mid::kMaxRoutes) return fn(V6Mid{});
+  return fn(V6Large{});
+}
+
+// One v8 GEMM: NWG warpgroups per block, WM 64-row slabs per warpgroup (each warp holds one
+// 16-row m-tile of each slab: WM wgmmas per k-step, one token tile in shared memory for
+// 64 NWG WM weight rows), KG 64-k groups per stage, ST stages, MB blocks per SM asked of ptxas
+// (__launch_bounds__: registers <= 64K / (MB x threads)). Whole K per warp (no split-K).
+template <int NWG_, int WM_, int KG_, int ST_, int MB_>
+struct V8Gemm {
+  static constexpr int NWG = NWG_, WM = WM_, KG = KG_, ST = ST_, MB = MB_;
+  static constexpr int kRows = 64 * NWG * WM;
+};
+// A v8 configuration: the tile size, its two GEMMs and the ring (v8_tile's RING).
+template <int BT, typename G1_, typename G2_, int RING>
+struct V8Config {
+  static constexpr int kBt = BT, kRing = RING;
+  using G1 = G1_;
+  using G2 = G2_;
+  using Sh1 = WgShape<BT, G1::NWG, G1::WM, G1::KG, G1::ST, G1::MB>;
+  using Sh2 = WgShape<BT, G2::NWG, G2::WM, G2::KG, G2::ST, G2::MB>;
+};
+
+// v8 (wgmma) from BT 16: the tokens of a tile are wgmma's N (BT, trimmed to the tile's routes:
+// v8_dispatch), read from shared memory through a descriptor; the dequantized weights its A
+// operand, straight from registers. Both GEMMs of a tile size share one shape.
+//   BT | NWG WM KG ST MB | ring | smem per block, registers, why
+//   16 |   2  1  2  5  2 |   2  |  71 KB, 70-72: 3 blocks per SM (M = 129-400): 0.944-0.964 of
+//      |                 |      |   KG 4 / 3 stages at 2 blocks per SM at M = 160-320, 0.973-0.989
+//      |                 |      |   at 384; KG 2 / 6 stages 0.985-1.01
+//   32 |   2  1  2  4  3 |   2  |  73 KB, 75-80: 3 blocks per SM (M = 401-864), GEMM2's only with
+//      |                 |      |   the 896-byte pad (kAlignPad): GEMM1 0.965-1.011 (most near
+//      |                 |      |   0.98) of KG 4 / 3 stages / 2 blocks, then GEMM2 0.974-0.999
+//   48 |   2  1  2  4  2 |   3  |  89 KB
+//   64 |   2  1  2  4  2 |   2  | 105 KB
+//   96 |   4  1  2  4  1 |   3  | 177 KB: from BT 96, 256 weight rows share one token tile (half
+//  128 |   4  1  1  6  1 |   3  | 157 KB  the tokens' L2 -> SM traffic), 1 block per SM, 98-128
+//  144 |   4  1  1  6  1 |   3  | 169 KB  registers; against 2 x 128 rows at 2 blocks per SM: BT
+//  160 |   4  1  1  6  1 |   3  | 181 KB  96 0.90-0.95 at M = 1984-2240, 128 0.97-0.98 at 3072 /
+//      |                 |      |   6144, 144 0.935-0.977 at 8192 / 16384, 160 0.988 at 4096 (BT
+//      |                 |      |   48 / 64 so: 1.0-1.07); BT 128 / 144 at KG 2 spill
+// Rings (v8_tile), ring 3 / ring 2: BT 48 at M = 1024 0.984-0.997; from BT 96 at M = 2048 0.93,
+// 3072-16384 0.98-0.99 (ring 2 / ring 3 at BT 96 / 160: 1.05-1.07 / 1.09, and the unrolled ring 2
+// spills there); ring 2 stays at BT 16 / 32 (ring 3 / ring 2 1.02 / 1.00-1.14) and BT 64 (1.006-
+// 1.017 at M = 1280, 0.95-1.065 at 1408-1792).
+// Measured and not compiled: 256 weight rows per token tile at BT 32 / 48; KG 2 / ST 4 with 3
+// blocks per SM at BT 32 (2-5% slower at M = 128-512); KG 1 / ST 5-6 with 3-4 blocks per SM at BT
+// 32 and 48 (5-23% slower at M = 128-1024: with 16 warps per SM the tensor pipe is 42-52% and
+// issue 43-55% busy at M = 1024, more warps do not help); BT 96 with KG 1 / ST 5 (1.06 at M =
+// 2048); v6 at BT 16-64 and at BT 24 (v8 is faster wherever those tile sizes are picked).
+using V8Bt16 = V8Config<16, V8Gemm<2, 1, 2, 5, 2>, V8Gemm<2, 1, 2, 5, 2>, 2>;
+using V8Bt32 = V8Config<32, V8Gemm<2, 1, 2, 4, 3>, V8Gemm<2, 1, 2, 4, 3>, 2>;
+using V8Bt48 = V8Config<48, V8Gemm<2, 1, 2, 4, 2>, V8Gemm<2, 1, 2, 4, 2>, 3>;
+using V8Bt64 = V8Config<64, V8Gemm<2, 1, 2, 4, 2>, V8Gemm<2, 1, 2, 4, 2>, 2>;
+using V8Bt96 = V8Config<96, V8Gemm<4, 1, 2, 4, 1>, V8Gemm<4, 1, 2, 4, 1>, 3>;
+using V8Bt128 = V8Config<128, V8Gemm<4, 1, 1, 6, 1>, V8Gemm<4, 1, 1, 6, 1>, 3>;
+using V8Bt144 = V8Config<144, V8Gemm<4, 1, 1, 6, 1>, V8Gemm<4, 1, 1, 6, 1>, 3>;
+using V8Bt160 = V8Config<160, V8Gemm<4, 1, 1, 6, 1>, V8Gemm<4, 1, 1, 6, 1>, 3>;
+
+template <typename Fn>
+void for_each_v8_config(Fn&& fn) {
+  fn(V8Bt16{});
+  fn(V8Bt32{});
+  fn(V8Bt48{});
+  fn(V8Bt64{});
+  fn(V8Bt96{});
+  fn(V8Bt128{});
+  fn(V8Bt144{});
+  fn(V8Bt160{});
+}
+// fn(C{}) for the v8 configuration of tile size bt; false when bt has none.
+template <typename Fn>
+bool with_v8_config(int bt, Fn&& fn) {
+  bool found = false;
+  for_each_v8_config([&](auto c) {
+    if (decltype(c)::kBt == bt) {
+      found = true;
+      fn(c);
+    }
+  });
+  return found;
+}
+
+// The GEMM path of tile size bt: 6 (mma.sync) at BT 8, 8 (wgmma) where kV8Configs has it, else
+// 0 (not a compiled tile size).
+int kernel_path(int bt) {
+  if (bt == kV6Bt) return 6;
+  return with_v8_config(bt, [](auto) {}) ? 8 : 0;
+}
+int g2_rows_for(int bt) {
+  int rows = bt == kV6Bt ? kV6G2Rows : 0;
+  with_v8_config(bt, [&](auto c) { rows = decltype(c)::G2::kRows; });
+  return rows;
+}
+
+// ------------------------------------ plan and workspace ----------------------------------------
+
+struct Plan {
+  int bt;
+  int path;  // 6 (mma.sync) or 8 (wgmma)
+  int t_max;  // tiles a call can have: routes / BT + min(routes, El)
+  int pcap;  // positions: t_max BT
+  int nparts;  // GEMM2 n-blocks = H / rows per block
+};
+
+Plan make_plan(long long m, int top_k, int h, int el, int bt) {
+  Plan p;
+  p.path = kernel_path(bt);
+  const long long routes = m * top_k;
+  p.bt = bt;
+  p.t_max = static_cast<int>(routes / bt + (routes < el ? routes : el));
+  p.pcap = p.t_max * bt;
+  p.nparts = h / g2_rows_for(bt);
+  return p;
+}
+
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+constexpr int kSlotsWords = kSlotsOff + kMaxSlots;  // num_tiles, then the spread slot counters
 
 struct Carve {
   int* num_tiles;
@@ -2067,7 +1910,7 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
     o += align256(bytes);
     return ptr;
   };
-  c.num_tiles = reinterpret_cast<int*>(take(sizeof(int) * (kSlotsOff + kMaxSlots)));
+  c.num_tiles = reinterpret_cast<int*>(take(sizeof(int) * kSlotsWords));
   c.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * (p.t_max + 1)));
   c.sorted_route = reinterpret_cast<int*>(take(sizeof(int) * (p.pcap + 1)));
   c.pos_of_route = reinterpret_cast<int*>(take(sizeof(int) * (m * top_k + 1)));
@@ -2080,357 +1923,230 @@ Carve carve(uint8_t* base, const Plan& p, long long m, int top_k, int h, int int
   return c;
 }
 
-// v6 experiment: EXPERTD_KERNEL_DECODE_ALT=id runs calls of the alternative's BT on it.
-int decode_alt() {
-  const char* v = getenv("EXPERTD_KERNEL_DECODE_ALT");
-  return (v && v[0]) ? atoi(v) : -1;
-}
-// finalize per call (H200, session 9, timed in alternating runs, `-s9-fin-lut-alts.json`): calls
-// of fewer than kFinBatchedMaxTokens tokens load their routes' chunks together, one thread per
-// chunk (H / 8 threads, at most 512; serial / batched: M = 1-256 1.007-1.012); larger calls keep
-// the route loop on 256 threads: a latency-bound grid of thousands of blocks wants 8 resident
-// blocks per SM, and the batched kernel (59 registers x 512 threads) gets 2 (batched / serial:
-// M = 1024 1.015, 2048 1.022, 4096-16384 1.03-1.035). EXPERTD_KERNEL_FIN_SERIAL=1: the route
-// loop at every M (A/B).
-constexpr long long kFinBatchedMaxTokens = 512;
-bool fin_batched(long long m) {
-  const char* v = getenv("EXPERTD_KERNEL_FIN_SERIAL");
-  return !(v && v[0] == '1') && m < kFinBatchedMaxTokens;
-}
-// route_kernel's block for a call: 256 threads for calls of <= kRouteSmallMaxRoutes routes (fewer
-// warps at each of its barriers), else 1024. H200, session 10, 256 / 1024 threads timed in
-// alternating runs (`-s10-drafts.json`, then up to 1024 routes): M = 1 0.981, 2 0.989, 4 0.998,
-// 8 1.000, 16-128 0.999-1.005; the same bits (test_route_threads_bit_identical).
-constexpr long long kRouteSmallMaxRoutes = 64;
-// EXPERTD_KERNEL_ROUTE_THREADS=256 or 1024 forces one (A/B).
-int route_threads_for(long long routes) {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_THREADS");
-  if (v && v[0]) return atoi(v) == 256 ? 256 : kRouteThreads;
-  return routes <= kRouteSmallMaxRoutes ? 256 : kRouteThreads;
-}
-// route_kernel's barrier-free tables (warp_tables) where the shard has at most 32 local experts
-// and tiles fill in order; EXPERTD_KERNEL_ROUTE_WARP=0: the general path (A/B; the same tables).
-int route_warp_tables(int el, int balanced) {
-  const char* v = getenv("EXPERTD_KERNEL_ROUTE_WARP");
-  return !(v && v[0] == '0') && el <= 32 && !balanced;
-}
 int fin_threads_for(int h) {
   const int t = (h / 8 + 31) / 32 * 32;
   return t < 32 ? 32 : (t > 512 ? 512 : t);
 }
 
-// The decode alternative a v6 call runs (0 = the table's configuration): EXPERTD_KERNEL_DECODE_ALT
-// where set; else, where H and I are multiples of 512 (the alternatives' k-stage), for BT 8 calls
-// 28 up to kAlt28MaxRoutes, 13 below 128 routes and 18 from 128, and 7 whenever a path is forced
-// (the table's sum order: benchmarks/kernel.py checks its forced v6 against v6_alt0 bit for bit);
-// 12 for BT 16 (alt 7's shape; bit-identical to the table's BT 16). See the alternatives' table for
-// the measurements (28 at M = 2-8: 1.04-1.09; GEMM2 6 stages deep, 1.00 at M = 1: removed).
-constexpr long long kAlt28MaxRoutes = 8;
-constexpr long long kAlt18MinRoutes = 128;
-int decode_alt_for(int bt, long long routes, int h, int inter) {
-  const int forced = decode_alt();
-  if (forced >= 0) return forced;
-  if (h % 512 || inter % 512) return 0;
-  if (bt == 16) return 12;
-  if (bt != 8) return 0;
-  if (forced_path() != 0) return 7;
-  if (routes <= kAlt28MaxRoutes) return 28;
-  return routes >= kAlt18MinRoutes ? 18 : 13;
-}
+// ------------------------------------ v6 launches -----------------------------------------------
 
-// v6 grid rows: EXPERTD_KERNEL_GRID_ROWS=R caps them at R (blocks loop over tiles; 0: no cap).
-// By default (H200, timed in alternating runs): 2 rows for calls of <= 64 routes (M <= 8 at
-// top-8; t_max 9-40 rows for ~1-7 tiles), one row per possible tile (t_max) above (6 rows at
-// M = 16 measured 1.069).
-//   M = 1: 2 rows since session 4 (3% faster than the full grid, 6% slower with 1 row; session
-//     16: 3 rows 1.049, 4 rows 1.097).
-//   M = 2-8: 2 rows since session 16 (calls 3-4, paired, 32 input sets per M). Against the
-//     earlier caps (4 rows to 32 routes, 6 to 64): M = 2 0.983 and 1 / 1.018, 3 0.986 and
-//     1 / 1.019, 4 0.999 and 0.994, 6 0.983, 8 0.987; 3 rows at M = 2 / 3 1.000 / 1.010, 1 row
-//     1.017 / 1.020. (Session 11 had chosen 4 over 6 rows at M = 2-4, 0.976-0.989; session 9 6
-//     rows over the full grid at M = 8, 0.984-0.989.)
-constexpr long long kCapRowsMaxRoutes = 8;
-constexpr long long kCap2MaxRoutes = 64;
+// v6 grid rows: kCapRows for calls of <= kCapMaxRoutes routes, else t_max (one per tile).
 int grid_rows(int t_max, long long routes) {
-  const char* v = getenv("EXPERTD_KERNEL_GRID_ROWS");
-  const int cap = (v && v[0]) ? atoi(v) : routes <= kCap2MaxRoutes ? 2 : 0;
+  const int cap = routes <= kCapMaxRoutes ? kCapRows : 0;
   return cap > 0 && cap < t_max ? cap : t_max;
 }
-// Whether GEMM1 routes the call itself (moe_gemm_self_kernel; EXPERTD_KERNEL_SELF_ROUTE=0: never):
-// v6 at BT 8 on a capped grid (rows < t_max), at most kSelfMaxRoutes routes, at most 32 local
-// experts.
-bool use_self_route(int path, int bt, long long routes, int el, int rows, int t_max) {
-  const char* v = getenv("EXPERTD_KERNEL_SELF_ROUTE");
-  if (v && v[0] == '0') return false;
-  return path == 6 && bt == 8 && routes <= kSelfMaxRoutes && el <= kSelfMaxExperts &&
-         rows < t_max;
+// Whether GEMM1 routes the call itself (moe_gemm_self_kernel): v6 on a capped grid (rows < t_max,
+// so at most kCapMaxRoutes <= kSelfMaxRoutes routes) and at most kSelfMaxExperts local experts.
+static_assert(kCapMaxRoutes <= kSelfMaxRoutes, "a capped call fits moe_gemm_self_kernel's tables");
+bool use_self_route(int path, int el, int rows, int t_max) {
+  return path == 6 && el <= kSelfMaxExperts && rows < t_max;
 }
 
-// Rows of the one-tile v6 grids (moe_gemm_kernel<..., OVF>, BT 8): t_max (every tile the call
-// could have, all routes local) or, with OVF, R = min(t_max, ceil(L / BT) + min(L, El)) for L =
-// F x the local routes expected under uniform routing (F = EXPERTD_KERNEL_OVF, default 2; 0:
-// never): the tiles past R run on the rows' blocks in turn. GEMM2 takes R from 512 routes, GEMM1
-// from 1024 (M = 64 / 128 at top-8; EXPERTD_KERNEL_OVF_GEMMS = bit 0 GEMM1 | bit 1 GEMM2 forces
-// them). H200, session 17 call 6, paired with the full grids (F = 2, same bits): GEMM2 alone M =
-// 32 0.998, 64 0.997, 96 0.985, 128 0.973; GEMM1 alone 1.008, 1.018, 0.998, 0.986; both 1.019,
-// 1.016, 0.992, 0.959 (call 5, both: M = 16 1.002, 32 1.021, 64 1.018, 96 0.991, 128 0.966).
-constexpr long long kOvfG2MinRoutes = 512;
-constexpr long long kOvfG1MinRoutes = 1024;
+// Rows of the one-tile v6 grids (moe_gemm_kernel<..., OVF>): t_max (every tile the call could
+// have, all routes local) or R = min(t_max, ceil(F L / BT) + min(F L, El)), L the local routes
+// uniform routing expects, F = kOvfFactor: the tiles past R run on the rows' blocks in turn.
 struct OneTileRows {
   int g1, g2;
 };
-OneTileRows one_tile_rows(int t_max, long long routes, int el, int num_experts, int bt) {
-  const char* v = getenv("EXPERTD_KERNEL_OVF");
-  const int f = (v && v[0]) ? atoi(v) : 2;
-  if (f <= 0 || bt != 8) return {t_max, t_max};
+OneTileRows one_tile_rows(int t_max, long long routes, int el, int num_experts) {
+  const long long f = kOvfFactor, bt = kV6Bt;
   const long long local = num_experts > el ? (routes * el + num_experts - 1) / num_experts : routes;
   const long long hit = f * local < el ? f * local : el;  // experts with a route, at most
   const long long bound = (f * local + bt - 1) / bt + hit;
   const int r = bound >= 1 && bound < t_max ? static_cast<int>(bound) : t_max;  // 0: no experts
-  const char* g = getenv("EXPERTD_KERNEL_OVF_GEMMS");
-  const int which = (g && g[0]) ? atoi(g)
-                                : (routes >= kOvfG1MinRoutes ? 1 : 0) |
-                                      (routes >= kOvfG2MinRoutes ? 2 : 0);
-  return {which & 1 ? r : t_max, which & 2 ? r : t_max};
+  return {routes >= kOvfG1MinRoutes ? r : t_max, routes >= kOvfG2MinRoutes ? r : t_max};
 }
 
-// The launch of GEMM2 at decode (moe_gemm_spread_kernel): grid, dynamic shared memory, spread_sms.
+// The v6 kernel instances of a GEMM G.
+template <typename G, bool GATED, bool OVF>
+auto one_tile_kernel() {
+  return moe_gemm_kernel<kV6Bt, G::WM, G::NW, G::NK, G::KG, G::ST, GATED, OVF>;
+}
+template <typename G, bool GATED, int MB>
+auto loop_kernel() {
+  return moe_gemm_loop_kernel<kV6Bt, G::WM, G::NW, G::NK, G::KG, G::ST, GATED, MB>;
+}
+template <typename G, int MB>
+auto self_kernel() {
+  return moe_gemm_self_kernel<kV6Bt, G::WM, G::NW, G::NK, G::KG, G::ST, MB>;
+}
+template <typename G, int MB>
+auto spread_kernel() {
+  return moe_gemm_spread_kernel<kV6Bt, G::WM, G::NW, G::NK, G::KG, G::ST, MB>;
+}
+
+// The launch of GEMM2 at decode (moe_gemm_spread_kernel): grid and spread_sms.
 struct SpreadLaunch {
   dim3 grid;
-  int smem;
   int spread_sms;
 };
-// Dynamic shared memory moe_gemm_spread_kernel may be launched with (set_smem_attrs): room to pad
-// blocks down to one per SM (spread_launch).
-constexpr int kSpreadMaxSmem = 120 * 1024;
-// P blocks on each of the S SMs, P the blocks an SM holds at once (per_sm = 0), or per_sm with
-// the dynamic shared memory padded so that no SM holds one more; spread_sms = 0 (the caller
-// launches the plain grid) where the device or the kernel do not allow it.
+// P blocks on each of the S SMs, P the blocks an SM holds at once; spread_sms = 0 (the caller
+// launches the (n-blocks, rows) grid, which computes the same) where the device or the kernel
+// do not allow it.
 template <typename Kernel>
-SpreadLaunch spread_launch_query(Kernel kernel, int dev, int threads, int smem, int per_sm) {
-  const SpreadLaunch plain{dim3(1), smem, 0};
-  int sms = 0, sm_smem = 0, reserved = 0, fits = 0;
-  cudaFuncAttributes fa;
+SpreadLaunch spread_launch_query(Kernel kernel, int dev, int threads, int smem) {
+  const SpreadLaunch plain{dim3(1), 0};
+  int sms = 0, fits = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
-          cudaSuccess ||
-      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) !=
-          cudaSuccess ||
-      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
-    cudaGetLastError();  // not fatal: the plain grid computes the same
-    return plain;
-  }
-  int dyn = smem;
-  if (per_sm > 0) {  // per_sm + 1 blocks must not fit: (per_sm + 1) (static + dyn + reserved) > SM
-    const int pad = sm_smem / (per_sm + 1) - static_cast<int>(fa.sharedSizeBytes) - reserved + 1;
-    if (pad > dyn) dyn = pad;
-  }
-  if (dyn > kSpreadMaxSmem || sms > kMaxSlots ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, threads, dyn) != cudaSuccess ||
+      sms > kMaxSlots ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, threads, smem) != cudaSuccess ||
       fits < 1) {
     cudaGetLastError();
     return plain;
   }
-  return SpreadLaunch{dim3(static_cast<unsigned>(fits * sms)), dyn, sms};
+  return SpreadLaunch{dim3(static_cast<unsigned>(fits * sms)), sms};
 }
-// spread_launch_query's answer per (device, kernel, threads, shared memory, per_sm), kept for
-// the library's lifetime: what it reads does not change, and the queries cost host time on every
+// spread_launch_query's answer per (device, kernel, threads, shared memory), kept for the
+// library's lifetime: what it reads does not change, and the queries cost host time on every
 // eager call at M = 2-8 (graph replays skip the host code).
 struct SpreadCacheEntry {
   int dev;
   const void* kernel;
-  int threads, smem, per_sm;
+  int threads, smem;
   SpreadLaunch launch;
 };
 constexpr int kSpreadCacheSize = 64;
 template <typename Kernel>
-SpreadLaunch spread_launch(Kernel kernel, int threads, int smem, int per_sm) {
+SpreadLaunch spread_launch(Kernel kernel, int threads, int smem) {
   static std::mutex mu;
   static SpreadCacheEntry cache[kSpreadCacheSize];
   static int cached = 0;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
-    return SpreadLaunch{dim3(1), smem, 0};
+    return SpreadLaunch{dim3(1), 0};
   }
   const void* key = reinterpret_cast<const void*>(kernel);
   {
     std::lock_guard<std::mutex> lock(mu);
     for (int i = 0; i < cached; ++i) {
       const SpreadCacheEntry& c = cache[i];
-      if (c.dev == dev && c.kernel == key && c.threads == threads && c.smem == smem &&
-          c.per_sm == per_sm)
+      if (c.dev == dev && c.kernel == key && c.threads == threads && c.smem == smem)
         return c.launch;
     }
   }
-  const SpreadLaunch l = spread_launch_query(kernel, dev, threads, smem, per_sm);
+  const SpreadLaunch l = spread_launch_query(kernel, dev, threads, smem);
   std::lock_guard<std::mutex> lock(mu);
-  if (cached < kSpreadCacheSize)
-    cache[cached++] = SpreadCacheEntry{dev, key, threads, smem, per_sm, l};
+  if (cached < kSpreadCacheSize) cache[cached++] = SpreadCacheEntry{dev, key, threads, smem, l};
   return l;
 }
-// GEMM2 of a self-routed call (moe_gemm_spread_kernel or the (n-blocks, rows) loop grid):
-// spread over the SMs at full occupancy above kCapRowsMaxRoutes routes. H200, session 15 call 4
-// (library A/B against main, 3 rounds, `-s15-spread.json`): M = 2 0.991 / 0.992 / 0.993, 4 0.995
-// / 0.998 / 1.005, 8 0.987 / 0.991 / 0.990; M = 1 (the 2-row grid's kernel, 3 blocks per SM)
-// 1.006 / 1.009 / 1.011, so M = 1 keeps the plain grid. A timeline of one 2-tile call at M = 2:
-// 30.2 -> 29.0 us (GEMM2's last block 25.4 -> 24.0); the benchmark's M = 2 mixes 0-5 tiles.
-// EXPERTD_KERNEL_G2_PER_SM (A/B): < 0 the plain grid, 0 spread at full occupancy, P > 0 spread
-// with P blocks per SM (padded shared memory; P = 2 measured 1.02-1.06x slower at M = 1-8).
-int g2_per_sm(long long routes) {
-  const char* v = getenv("EXPERTD_KERNEL_G2_PER_SM");
-  if (v && v[0]) return atoi(v);
-  return routes > kCapRowsMaxRoutes ? 0 : -1;
-}
 
-// The two GEMMs of a call, GEMM2 chained behind GEMM1 (names: the kernels, for errors).
-template <typename K1, typename K2>
-int launch_gemm_pair(const char* what1, K1 k1, dim3 grid1, int threads1, int smem1,
-                     const char* what2, K2 k2, dim3 grid2, int threads2, int smem2,
-                     const GemmArgs& g1, const GemmArgs& g2, cudaStream_t stream) {
-  if (int rc = launch(what1, k1, grid1, dim3(threads1), smem1, stream, g1)) return rc;
-  return launch(what2, k2, grid2, dim3(threads2), smem2, stream, g2);
-}
-
-// Blocks per SM asked of ptxas for the loop kernel of calls above kCapRowsMaxRoutes: the full
-// grid's occupancy at BT 8 (64 registers: 1024 / threads blocks), else 2.
-template <int BT, int WARPS>
-constexpr int loop_mb() {
-  return BT == 8 && 32 / WARPS > 2 ? 32 / WARPS : 2;
-}
-
-// The v6 GEMMs of a call on `rows` grid rows (grid_rows: t_max, or a cap where blocks loop over
-// tiles); self: GEMM1 routes the call (use_self_route; capped grids at BT 8 only).
-template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
-          int S2>
-int launch_gemms(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, long long routes,
-                 int h, int inter, cudaStream_t stream, const SelfRoute* self,
-                 OneTileRows ovf) {
-  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
-  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
-  if (t_max == 0) return 0;
-  if (h % Sh1::kBK || inter % Sh2::kBK)
-    return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
-  const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
-  // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
-  // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
-  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  if (rows >= t_max) {
-    // rows below t_max: the OVF instances (one_tile_rows; compiled at BT 8 only)
-    auto k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, false>;
-    auto k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, false>;
-    int rows1 = t_max, rows2 = t_max;
-    if constexpr (BT == 8) {
-      if (ovf.g1 < t_max) {
-        k1 = moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>;
-        rows1 = ovf.g1;
-      }
-      if (ovf.g2 < t_max) {
-        k2 = moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>;
-        rows2 = ovf.g2;
-      }
-    }
-    return launch_gemm_pair("moe_gemm (gate/up)", k1, dim3(nx1, rows1), Sh1::kThreads,
-                            Sh1::kSmemBytes, "moe_gemm (down)", k2, dim3(nx2, rows2),
-                            Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
-  }
-  constexpr int MB1 = loop_mb<BT, N1 * NK1>(), MB2 = loop_mb<BT, N2 * NK2>();
-  const bool two = routes <= kCapRowsMaxRoutes;  // M = 1's 2-row grid: 2 blocks per SM
+// The capped grid (n-blocks, rows < t_max): GEMM1 routing the call itself (self) or the loop
+// kernel; GEMM2 spread over the SMs (SPREAD, when GEMM1 routed the call) or the loop kernel.
+template <typename C, int MB1, int MB2, bool SPREAD>
+int launch_v6_capped(const GemmArgs& g1, const GemmArgs& g2, int nx1, int nx2, int rows,
+                     const SelfRoute* self, cudaStream_t stream) {
+  using Sh1 = typename C::G1::Shape;
+  using Sh2 = typename C::G2::Shape;
   const dim3 grid1(nx1, rows), block1(Sh1::kThreads);
-  const auto launch_gemm1 = [&]() {
-    if constexpr (BT == 8) {
-      if (self)
-        return launch("moe_gemm self (gate/up)",
-                      two ? moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>
-                          : moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, MB1>,
-                      grid1, block1, Sh1::kSmemBytes, stream, g1, *self);
-    }
-    return launch("moe_gemm loop (gate/up)",
-                  two ? moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>
-                      : moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, MB1>,
-                  grid1, block1, Sh1::kSmemBytes, stream, g1);
-  };
-  if (int rc = launch_gemm1()) return rc;
-  if constexpr (BT == 8) {
-    const int per_sm = g2_per_sm(routes);
-    if (self && per_sm >= 0) {
-      const auto k2 = two ? moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, 2>
-                          : moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, MB2>;
-      const SpreadLaunch l2 = spread_launch(k2, Sh2::kThreads, Sh2::kSmemBytes, per_sm);
-      const char* scan = getenv("EXPERTD_KERNEL_SPREAD_SCAN");
+  const int rc = self ? launch("moe_gemm self (gate/up)", self_kernel<typename C::G1, MB1>(), grid1,
+                               block1, Sh1::kSmemBytes, stream, g1, *self)
+                      : launch("moe_gemm loop (gate/up)",
+                               loop_kernel<typename C::G1, true, MB1>(), grid1, block1,
+                               Sh1::kSmemBytes, stream, g1);
+  if (rc) return rc;
+  if constexpr (SPREAD) {
+    if (self) {
+      const auto k2 = spread_kernel<typename C::G2, MB2>();
+      const SpreadLaunch l2 = spread_launch(k2, Sh2::kThreads, Sh2::kSmemBytes);
       if (l2.spread_sms > 0)
-        return launch("moe_gemm spread (down)", k2, l2.grid, dim3(Sh2::kThreads), l2.smem,
-                      stream, g2, scan && scan[0] == '1' ? -l2.spread_sms : l2.spread_sms);
+        return launch("moe_gemm spread (down)", k2, l2.grid, dim3(Sh2::kThreads), Sh2::kSmemBytes,
+                      stream, g2, l2.spread_sms);
     }
   }
-  return launch("moe_gemm loop (down)",
-                two ? moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>
-                    : moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, MB2>,
+  return launch("moe_gemm loop (down)", loop_kernel<typename C::G2, false, MB2>(),
                 dim3(nx2, rows), dim3(Sh2::kThreads), Sh2::kSmemBytes, stream, g2);
 }
 
-template <int BT, int W1, int N1, int NK1, int K1, int S1, int W2, int N2, int NK2, int K2,
-          int S2>
-int set_smem_attrs() {
-  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  using Sh1 = GemmShape<BT, W1, N1, NK1, K1, S1>;
-  using Sh2 = GemmShape<BT, W2, N2, NK2, K2, S2>;
-  if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true>, attr,
-                           Sh1::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false>, attr,
-                           Sh2::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, 2>, attr,
-                           Sh1::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, 2>, attr,
-                           Sh2::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(
-          moe_gemm_loop_kernel<BT, W1, N1, NK1, K1, S1, true, loop_mb<BT, N1 * NK1>()>, attr,
-          Sh1::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(
-          moe_gemm_loop_kernel<BT, W2, N2, NK2, K2, S2, false, loop_mb<BT, N2 * NK2>()>, attr,
-          Sh2::kSmemBytes) != cudaSuccess)
-    return check_launch("cudaFuncSetAttribute");
-  if constexpr (BT == 8) {
-    constexpr int spread_smem = Sh2::kSmemBytes > kSpreadMaxSmem ? Sh2::kSmemBytes : kSpreadMaxSmem;
-    if (cudaFuncSetAttribute(moe_gemm_kernel<BT, W1, N1, NK1, K1, S1, true, true>, attr,
-                             Sh1::kSmemBytes) != cudaSuccess ||
-        cudaFuncSetAttribute(moe_gemm_kernel<BT, W2, N2, NK2, K2, S2, false, true>, attr,
-                             Sh2::kSmemBytes) != cudaSuccess ||
-        cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, kSelfTwoMb>, attr,
-                             Sh1::kSmemBytes) != cudaSuccess ||
-        cudaFuncSetAttribute(moe_gemm_self_kernel<BT, W1, N1, NK1, K1, S1, loop_mb<BT, N1 * NK1>()>,
-                             attr, Sh1::kSmemBytes) != cudaSuccess ||
-        cudaFuncSetAttribute(moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, 2>, attr,
-                             spread_smem) != cudaSuccess ||
-        cudaFuncSetAttribute(moe_gemm_spread_kernel<BT, W2, N2, NK2, K2, S2, loop_mb<BT, N2 * NK2>()>,
-                             attr, spread_smem) != cudaSuccess)
-      return check_launch("cudaFuncSetAttribute");
+// The v6 GEMMs of a call with configuration C on `rows` grid rows (grid_rows); self: GEMM1 routes
+// the call (use_self_route).
+template <typename C>
+int launch_v6(const GemmArgs& g1, const GemmArgs& g2, int t_max, int rows, long long routes,
+              int h, int inter, int el, int num_experts, const SelfRoute* self,
+              cudaStream_t stream) {
+  using Sh1 = typename C::G1::Shape;
+  using Sh2 = typename C::G2::Shape;
+  if (t_max == 0) return 0;
+  if (h % Sh1::kBK || inter % Sh2::kBK)
+    return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
+  // n-blocks along x (dispatched first): the blocks of one tile spread over the SMs, so one hit
+  // expert still fills the chip (tiles along x put 2 busy blocks on some SMs, none on others).
+  const int nx1 = (2 * inter / 16) / Sh1::kMTiles, nx2 = (h / 16) / Sh2::kMTiles;
+  if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
+  if (rows < t_max) {
+    if constexpr (C::kCappedTwo) {
+      if (routes <= kCapTwoMaxRoutes)
+        return launch_v6_capped<C, kTwoMb, kTwoMb, false>(g1, g2, nx1, nx2, rows, self, stream);
+    }
+    if constexpr (C::kCappedWide) {
+      if (routes > kCapTwoMaxRoutes)
+        return launch_v6_capped<C, loop_mb<typename C::G1>(), loop_mb<typename C::G2>(), true>(
+            g1, g2, nx1, nx2, rows, self, stream);
+    }
   }
-  return 0;
+  auto k1 = one_tile_kernel<typename C::G1, true, false>();
+  auto k2 = one_tile_kernel<typename C::G2, false, false>();
+  int rows1 = t_max, rows2 = t_max;
+  const OneTileRows ovf = one_tile_rows(t_max, routes, el, num_experts);
+  if constexpr (C::kOvf1) {
+    if (ovf.g1 < t_max) {
+      k1 = one_tile_kernel<typename C::G1, true, true>();
+      rows1 = ovf.g1;
+    }
+  }
+  if constexpr (C::kOvf2) {
+    if (ovf.g2 < t_max) {
+      k2 = one_tile_kernel<typename C::G2, false, true>();
+      rows2 = ovf.g2;
+    }
+  }
+  return launch_gemm_pair("moe_gemm (gate/up)", k1, dim3(nx1, rows1), Sh1::kThreads,
+                          Sh1::kSmemBytes, "moe_gemm (down)", k2, dim3(nx2, rows2),
+                          Sh2::kThreads, Sh2::kSmemBytes, g1, g2, stream);
 }
 
-// Both v8 GEMMs of a call with ring RING (wg_ring).
-template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2, int RING>
-int launch_v8_pair(const GemmArgs& g1, const GemmArgs& g2, int t_max, int mt1, int mt2,
-                   cudaStream_t stream) {
-  using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
-  using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
-  return launch_gemm_pair("moe_gemm_v8 (gate/up)",
-                          moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>,
-                          dim3(mt1 / Sh1::kMTiles, t_max), Sh1::kThreads, Sh1::kSmemBytes,
-                          "moe_gemm_v8 (down)",
-                          moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>,
-                          dim3(mt2 / Sh2::kMTiles, t_max), Sh2::kThreads, Sh2::kSmemBytes, g1, g2,
-                          stream);
+template <typename Kernel>
+bool set_max_smem(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+         cudaSuccess;
 }
 
-template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2>
-int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
-                    cudaStream_t stream) {
-  using Sh1 = WgShape<BT, G1, W1, K1, S1, B1>;
-  using Sh2 = WgShape<BT, G2, W2, K2, S2, B2>;
+// The dynamic shared-memory limit of every kernel instance launch_v6 can pick for C.
+template <typename C>
+int set_smem_attrs_v6() {
+  using G1 = typename C::G1;
+  using G2 = typename C::G2;
+  constexpr int s1 = G1::Shape::kSmemBytes, s2 = G2::Shape::kSmemBytes;
+  bool ok = set_max_smem(one_tile_kernel<G1, true, false>(), s1) &&
+            set_max_smem(one_tile_kernel<G2, false, false>(), s2);
+  if constexpr (C::kOvf1) ok = ok && set_max_smem(one_tile_kernel<G1, true, true>(), s1);
+  if constexpr (C::kOvf2) ok = ok && set_max_smem(one_tile_kernel<G2, false, true>(), s2);
+  if constexpr (C::kCappedTwo)
+    ok = ok && set_max_smem(self_kernel<G1, kTwoMb>(), s1) &&
+         set_max_smem(loop_kernel<G1, true, kTwoMb>(), s1) &&
+         set_max_smem(loop_kernel<G2, false, kTwoMb>(), s2);
+  if constexpr (C::kCappedWide)
+    ok = ok && set_max_smem(self_kernel<G1, loop_mb<G1>()>(), s1) &&
+         set_max_smem(loop_kernel<G1, true, loop_mb<G1>()>(), s1) &&
+         set_max_smem(loop_kernel<G2, false, loop_mb<G2>()>(), s2) &&
+         set_max_smem(spread_kernel<G2, loop_mb<G2>()>(), s2);
+  return ok ? 0 : check_launch("cudaFuncSetAttribute (v6)");
+}
+
+// ------------------------------------ v8 launches -----------------------------------------------
+
+template <typename C, bool GATED>
+auto v8_kernel() {
+  using G = std::conditional_t<GATED, typename C::G1, typename C::G2>;
+  return moe_gemm_v8_kernel<C::kBt, G::NWG, G::WM, G::KG, G::ST, G::MB, GATED, C::kRing>;
+}
+
+// Both v8 GEMMs of a call with configuration C: grid (n-blocks, t_max); blocks past num_tiles exit.
+template <typename C>
+int launch_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, int inter,
+              cudaStream_t stream) {
+  using Sh1 = typename C::Sh1;
+  using Sh2 = typename C::Sh2;
   if (t_max == 0) return 0;
   if (h % Sh1::kBK || inter % Sh2::kBK)
     return fail(1, "H and I must be multiples of the GEMMs' k-stage (64 KG)");
@@ -2438,21 +2154,11 @@ int launch_gemms_v8(const GemmArgs& g1, const GemmArgs& g2, int t_max, int h, in
   if (mt1 % Sh1::kMTiles || mt2 % Sh2::kMTiles)
     return fail(1, "2I and H must be multiples of the v8 GEMMs' rows per block");
   if (t_max > 65535) return fail(1, "too many tiles for grid.y: split the call");
-  if (wg_ring(BT) == 3)
-    return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>(g1, g2, t_max, mt1, mt2,
-                                                                         stream);
-  return launch_v8_pair<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>(g1, g2, t_max, mt1, mt2,
-                                                                       stream);
-}
-
-template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2, int RING>
-bool set_smem_attrs_v8_ring() {
-  const auto attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
-  return cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>, attr,
-                              WgShape<BT, G1, W1, K1, S1, B1>::kSmemBytes) == cudaSuccess &&
-         cudaFuncSetAttribute(moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>, attr,
-                              WgShape<BT, G2, W2, K2, S2, B2>::kSmemBytes) == cudaSuccess;
+  return launch_gemm_pair("moe_gemm_v8 (gate/up)", v8_kernel<C, true>(),
+                          dim3(mt1 / Sh1::kMTiles, t_max), Sh1::kThreads, Sh1::kSmemBytes,
+                          "moe_gemm_v8 (down)", v8_kernel<C, false>(),
+                          dim3(mt2 / Sh2::kMTiles, t_max), Sh2::kThreads, Sh2::kSmemBytes, g1, g2,
+                          stream);
 }
 
 // Whether kernel's static shared memory leaves its ring 1024-aligned within Sh::kAlignPad.
@@ -2463,23 +2169,15 @@ bool align_pad_covers(Kernel kernel) {
   return static_cast<int>((1024 - fa.sharedSizeBytes % 1024) % 1024) <= Sh::kAlignPad;
 }
 
-template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2, int RING>
-bool align_pads_cover() {
-  return align_pad_covers<WgShape<BT, G1, W1, K1, S1, B1>>(
-             moe_gemm_v8_kernel<BT, G1, W1, K1, S1, B1, true, RING>) &&
-         align_pad_covers<WgShape<BT, G2, W2, K2, S2, B2>>(
-             moe_gemm_v8_kernel<BT, G2, W2, K2, S2, B2, false, RING>);
-}
-
-template <int BT, int G1, int W1, int K1, int S1, int B1, int G2, int W2, int K2, int S2,
-          int B2>
+template <typename C>
 int set_smem_attrs_v8() {
-  if (!set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
-      !set_smem_attrs_v8_ring<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
+  using Sh1 = typename C::Sh1;
+  using Sh2 = typename C::Sh2;
+  if (!set_max_smem(v8_kernel<C, true>(), Sh1::kSmemBytes) ||
+      !set_max_smem(v8_kernel<C, false>(), Sh2::kSmemBytes))
     return check_launch("cudaFuncSetAttribute (v8)");
-  if (!align_pads_cover<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 2>() ||
-      !align_pads_cover<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2, 3>())
+  if (!align_pad_covers<Sh1>(v8_kernel<C, true>()) ||
+      !align_pad_covers<Sh2>(v8_kernel<C, false>()))
     return fail(2, "a v8 kernel's static shared memory needs more alignment pad than "
                    "WgShape::kAlignPad gives");
   return 0;
@@ -2513,52 +2211,32 @@ struct ExpertdMoeArgs {
   int inter;
   int num_experts;
   int el;
-  int bt;                     // 0: choose
+  int bt;                     // 0: expertd_pick_bt
   void* stream;               // cudaStream_t
   int local_first;            // >= 0: the shard owns ids local_first .. + el - 1; -1: local_of
 };
 
 const char* expertd_last_error(void) { return g_error; }
 
-// benchmarks/timeline.py: point the kernels' timeline marks at a device buffer of
-// expertd_timeline_words() uint64 (nullptr: off). Returns 1 (and an error message) in a library
-// built without EXPERTD_TIMELINE.
-int expertd_timeline_words(void) { return 4 * kTlBlocks * 5; }
-int expertd_set_timeline(void* buf) {
-#ifdef EXPERTD_TIMELINE
-  unsigned long long* p = static_cast<unsigned long long*>(buf);
-  if (cudaMemcpyToSymbol(g_timeline, &p, sizeof(p)) != cudaSuccess)
-    return check_launch("cudaMemcpyToSymbol (timeline)");
-  return 0;
-#else
-  (void)buf;
-  return fail(1, "this kernel library was built without EXPERTD_TIMELINE=1");
-#endif
-}
+// The GEMM path of a call with tile size bt: 6 (mma.sync), 8 (wgmma), 0 (bt not compiled).
+int expertd_kernel_path(int bt) { return kernel_path(bt); }
 
-// The GEMM path (6 or 8) a call with tile size bt takes now (EXPERTD_KERNEL_PATH forces
-// one where BT has it; see kernel_path); bt = 0: the forced path, or 0 when none is forced.
-int expertd_kernel_path(int bt) { return bt ? kernel_path(bt) : forced_path(); }
-
-// Tokens per tile for a call, from lambda = M * top_k / E, the mean routes per expert. Measured on
-// an H200 (muse-spark, benchmarks/kernel.py BT sweep, results/kernel-nvidia-h200-2026-11-29*): v6's
-// BT = 8 wins to lambda = 4 (M = 128; session 9 with decode alternative 18, against v8's BT 16: M =
-// 96 0.925, 128 0.959, 192 1.084, `-s9-bt8.json`); above, the wgmma GEMM (v8) wins at every M: BT =
-// 16 to lambda = 12.5 (session 8: M = 128-256 0.87x of BT 32 before BT 32 trimmed its tiles, M = 384
-// 0.95x of the trimmed BT 32; the wgmma half as wide where the tiles hold ~4-12 routes; at M = 512
-// 1.19x: many experts need two tiles, each dequantizing the weights again; session 20, both at
-// 3 blocks per SM: M = 400 0.970 / 0.976 in two calls, 416 1.016 / 1.022), BT = 32 to lambda = 27
-// (M = 864), 48 to lambda = 36 (M = 1152), 64 to lambda = 58 (M = 1856). Session 12
-// (`-s12-bt32-48*.json`, `-s12-bt48-64-96.json`; the bounds were 20 for 32 and 45 for 48, and 64
-// was never picked): BT 32 / 48 at M = 704 0.857, 768 0.884-0.900, 832 0.942, 896 1.008, 960 1.043,
-// 1024 1.233 (BT 32's 16 k-steps per stage beat BT 48's 8 until a quarter of the experts need a
-// second tile); BT 64 / the old pick at M = 1152 0.994 (48), 1280 0.951 (48), 1408 0.892 (48), 1536
-// 0.883 (96), 1792 0.973 (96); 2048: 1.10 (1.22 in session 7). Above, every extra tile of an expert
-// re-dequantizes all its weights, so the tile is the one that holds a busy expert (lambda + 2
-// sqrt(lambda) routes) in the fewest tiles, the smaller on a tie (larger tiles run each tile a few
-// % slower): 96 to lambda ~ 70, 128 at 96 and 192, 160 at 128 (one tile where 128 needs two for
-// half the experts: 0.84x), 144 at 256-512 (0.93-0.98x of 128; session 5 sweep, results/kernel-
-// nvidia-h200-2026-11-29-s5-btwide.json).
+// Tokens per tile for a call, from lambda = M top_k / E, the mean routes per expert (H200 BT
+// sweeps of benchmarks/kernel.py, muse-spark shapes, each tile size against the pick):
+//   BT 8 (v6) to lambda = 4 (M = 128 at top-8 of 256): against v8's BT 16 M = 96 0.925, 128
+//     0.959, 192 1.084.
+//   BT 16 to lambda = 12.5: the wgmma half as wide where tiles hold ~4-12 routes (M = 128-256
+//     0.87 of BT 32 untrimmed, 384 0.95 of BT 32 trimmed; M = 400 0.970-0.976, 416 1.016-1.022;
+//     at M = 512 1.19: many experts need two tiles, each dequantizing the weights again).
+//   BT 32 to lambda = 27, 48 to 36, 64 to 58: BT 32 / 48 at M = 704 0.857, 768 0.884-0.900, 832
+//     0.942, 896 1.008, 960 1.043, 1024 1.233 (BT 32's 16 k-steps per stage beat BT 48's 8 until
+//     a quarter of the experts need a second tile); BT 64 / 48 at M = 1152 0.994, 1280 0.951,
+//     1408 0.892; BT 64 / 96 at M = 1536 0.883, 1792 0.973, 2048 1.10.
+//   Above, every extra tile of an expert re-dequantizes all its weights, so the tile is the one
+//     that holds a busy expert (lambda + 2 sqrt(lambda) routes) in the fewest tiles, the smaller
+//     on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
+//     160 at 128 (one tile where 128 needs two for half the experts: 0.84), 144 at 256-512
+//     (0.93-0.98 of 128).
 int expertd_pick_bt(long long m, int top_k, int num_experts) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
   if (lambda <= 4) return 8;
@@ -2579,37 +2257,30 @@ int expertd_pick_bt(long long m, int top_k, int num_experts) {
   return best;
 }
 
-// Workspace for a call with up to m tokens, whatever BT the call picks.
+// Workspace for a call with up to m tokens, whatever tile size the call takes.
 long long expertd_workspace_bytes(long long m, int top_k, int h, int inter, int el) {
   size_t best = 0;
-  for (int bt : {8, 16, 24, 32, 48, 64, 96, 128, 144, 160})
-    for (int path : {6, 8}) {
-      if (!g1_rows_for(bt, path)) continue;
-      Plan p = make_plan(m, top_k, h, el, bt, path);
-      Carve c = carve(nullptr, p, m, top_k, h, inter, el);
-      if (c.bytes > best) best = c.bytes;
-    }
+  auto consider = [&](int bt) {
+    const Plan p = make_plan(m, top_k, h, el, bt);
+    const Carve c = carve(nullptr, p, m, top_k, h, inter, el);
+    if (c.bytes > best) best = c.bytes;
+  };
+  consider(kV6Bt);
+  for_each_v8_config([&](auto c) { consider(decltype(c)::kBt); });
   return static_cast<long long>(best);
 }
 
 // Raise the dynamic shared-memory limit of every compiled GEMM (call once per device, outside
 // graph capture).
 int expertd_init(void) {
-#define EXPERTD_INIT(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                              \
-  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())                \
-    return rc;
-  EXPERTD_FOR_EACH_CONFIG(EXPERTD_INIT)
-#undef EXPERTD_INIT
-#define EXPERTD_INIT_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                      \
-  if (int rc = set_smem_attrs<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>())                \
-    return rc;
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_INIT_ALT)
-#undef EXPERTD_INIT_ALT
-#define EXPERTD_INIT_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2) \
-  if (int rc = set_smem_attrs_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>()) return rc;
-  EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_INIT_WG)
-#undef EXPERTD_INIT_WG
-  return 0;
+  int rc = 0;
+  for_each_v6_config([&](auto c) {
+    if (!rc) rc = set_smem_attrs_v6<decltype(c)>();
+  });
+  for_each_v8_config([&](auto c) {
+    if (!rc) rc = set_smem_attrs_v8<decltype(c)>();
+  });
+  return rc;
 }
 
 int expertd_moe_forward(const ExpertdMoeArgs* args) {
@@ -2622,18 +2293,15 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
     return fail(1, "local_first + el exceeds num_experts");
   if (a.m == 0) return 0;
   const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
-  int path = kernel_path(bt);
-  if (g1_rows_for(bt, path) == 0)
-    return fail(1,
-                "bt is not a compiled configuration (8, 16, 24, 32, 48, 64, 96, 128, 144, 160)");
+  const int path = kernel_path(bt);
+  if (path == 0)
+    return fail(1, "bt is not a compiled tile size (8, 16, 32, 48, 64, 96, 128, 144, 160)");
   if (a.m * a.top_k > (1LL << 30)) return fail(1, "too many routes in one call");
-  Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
-  // v8 keeps token row offsets in 32 bits: larger calls take the mma.sync path of their tile size.
-  if (path == 8 && (a.m * a.h >= (1LL << 31) || static_cast<long long>(p.pcap) * a.inter >= (1LL << 31))) {
-    if (!g1_rows_for(bt, 6)) return fail(1, "call too large for this tile size: split it");
-    path = 6;
-    p = make_plan(a.m, a.top_k, a.h, a.el, bt, path);
-  }
+  const Plan p = make_plan(a.m, a.top_k, a.h, a.el, bt);
+  // v8 keeps token row offsets in 32 bits.
+  if (path == 8 &&
+      (a.m * a.h >= (1LL << 31) || static_cast<long long>(p.pcap) * a.inter >= (1LL << 31)))
+    return fail(1, "call too large for this tile size: split it");
   const Carve c = carve(static_cast<uint8_t*>(a.workspace), p, a.m, a.top_k, a.h, a.inter, a.el);
   if (static_cast<long long>(c.bytes) > a.workspace_bytes)
     return fail(1, "workspace too small for this call (see expertd_workspace_bytes)");
@@ -2653,7 +2321,6 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g1.mt = 2 * a.inter / 16;
   g1.top_k = a.top_k;
   g1.pcap = p.pcap;
-  g1.min_rows = wg_min_rows();
 
   GemmArgs g2{};
   g2.codes = static_cast<const uint4*>(a.w2_codes);
@@ -2670,17 +2337,15 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   g2.mt = a.h / 16;
   g2.top_k = a.top_k;
   g2.pcap = p.pcap;
-  g2.min_rows = g1.min_rows;
 
   const SelfRoute sr{a.topk_ids,     a.local_of,     a.local_first, c.num_tiles,
                      c.tile_expert,  c.sorted_route, c.pos_of_route, routes,
                      a.num_experts,  a.el};
   const int rows = grid_rows(p.t_max, routes);  // v6's grid rows (v8: the full grid)
-  const OneTileRows ovf = one_tile_rows(p.t_max, routes, a.el, a.num_experts, bt);
-  const bool self = use_self_route(path, bt, routes, a.el, rows, p.t_max);
+  const bool self = use_self_route(path, a.el, rows, p.t_max);
   if (self) {
     // no routing kernel: GEMM1's blocks route the call (moe_gemm_self_kernel)
-  } else if (routes >= route_multi_min() && !route_balanced()) {  // two kernels over chunks
+  } else if (routes >= kRouteMultiMinRoutes) {  // two kernels over chunks
     const unsigned blocks = static_cast<unsigned>((routes + kRouteChunk - 1) / kRouteChunk);
     if (int rc = launch("route_count_kernel", route_count_kernel, dim3(blocks),
                         dim3(kRouteThreads), sizeof(int) * a.el, stream, a.topk_ids, routes,
@@ -2693,52 +2358,29 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                         c.pos_of_route, c.tile_expert, c.num_tiles))
       return rc;
   } else {
-    const int threads = route_threads_for(routes);
-    const auto kernel = threads == 256 ? route_kernel<256> : route_kernel<kRouteThreads>;
-    const int balanced = route_balanced();
-    if (int rc = launch("route_kernel", kernel, dim3(1), dim3(threads),
-                        sizeof(int) * (4 * a.el + 1), stream, a.topk_ids, routes, a.local_of,
-                        a.local_first, a.num_experts, a.el, bt, balanced, c.sorted_route,
-                        c.pos_of_route, c.tile_expert, c.num_tiles,
-                        route_warp_tables(a.el, balanced)))
+    const bool small = routes <= kRouteSmallMaxRoutes;
+    if (int rc = launch("route_kernel", small ? route_kernel<256> : route_kernel<kRouteThreads>,
+                        dim3(1), dim3(small ? 256 : kRouteThreads), sizeof(int) * (3 * a.el + 1),
+                        stream, a.topk_ids, routes, a.local_of, a.local_first, a.num_experts,
+                        a.el, bt, c.sorted_route, c.pos_of_route, c.tile_expert, c.num_tiles,
+                        static_cast<int>(a.el <= 32)))
       return rc;
   }
 
   int rc = 0;
-  int alt = path == 6 ? decode_alt_for(bt, routes, a.h, a.inter) : 0;
-#define EXPERTD_ALT_MATCH(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2) \
-  if (alt == ID && (bt != BT || 16 * W2 * N2 != g2_rows_for(BT, 6))) alt = 0;
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_ALT_MATCH)
-#undef EXPERTD_ALT_MATCH
-  bool launched = false;
-#define EXPERTD_DISPATCH_WG(BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2)                      \
-  if (path == 8 && bt == BT) {                                                              \
-    launched = true;                                                                        \
-    rc = launch_gemms_v8<BT, G1, W1, K1, S1, B1, G2, W2, K2, S2, B2>(g1, g2, p.t_max, a.h,   \
-                                                                     a.inter, stream);      \
+  if (path == 8) {
+    with_v8_config(bt, [&](auto cfg) {
+      rc = launch_v8<decltype(cfg)>(g1, g2, p.t_max, a.h, a.inter, stream);
+    });
+  } else {
+    rc = with_v6_config(routes, a.h, a.inter, [&](auto cfg) {
+      return launch_v6<decltype(cfg)>(g1, g2, p.t_max, rows, routes, a.h, a.inter, a.el,
+                                      a.num_experts, self ? &sr : nullptr, stream);
+    });
   }
-  EXPERTD_FOR_EACH_WG_CONFIG(EXPERTD_DISPATCH_WG)
-#undef EXPERTD_DISPATCH_WG
-#define EXPERTD_DISPATCH(BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                          \
-  if (path != 8 && !alt && bt == BT) {                                                      \
-    launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
-        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr, ovf);    \
-  }
-  EXPERTD_FOR_EACH_CONFIG(EXPERTD_DISPATCH)
-#undef EXPERTD_DISPATCH
-#define EXPERTD_DISPATCH_ALT(ID, BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2)                  \
-  if (alt == ID && bt == BT) {                                                              \
-    launched = true;                                                                        \
-    rc = launch_gemms<BT, W1, N1, NK1, K1, S1, W2, N2, NK2, K2, S2>(                         \
-        g1, g2, p.t_max, rows, routes, a.h, a.inter, stream, self ? &sr : nullptr, ovf);    \
-  }
-  EXPERTD_FOR_EACH_DECODE_ALT(EXPERTD_DISPATCH_ALT)
-#undef EXPERTD_DISPATCH_ALT
-  if (!launched) return fail(1, "no compiled GEMM for this tile size and path");
   if (rc) return rc;
 
-  const bool batched = fin_batched(a.m);
+  const bool batched = a.m < kFinBatchedMaxTokens;
   return launch("finalize_kernel", batched ? finalize_kernel<true> : finalize_kernel<false>,
                 dim3(static_cast<unsigned>(a.m)), dim3(batched ? fin_threads_for(a.h) : 256),
                 static_cast<size_t>(a.top_k) * 8, stream, c.pos_of_route,

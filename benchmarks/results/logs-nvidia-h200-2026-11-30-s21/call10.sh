@@ -1,5 +1,0 @@
-export PYTHONUNBUFFERED=1 EXPERTD_KERNEL_CACHE=$PWD/.carry/kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-export EXPERTD_KERNEL_LIB=$(ls $PWD/.carry/kernels/*/libexpertd_kernels.so | head -1)
-timeout 120 python3 benchmarks/clock_watch.py --ms 8,16,64,256,512,1024,2048,4096,16384 --seconds 2.5 --out $OUT/energy-final.json 2>&1 | tail -15

@@ -1,1 +1,0 @@
-bash benchmarks/wgmma_rs.sh ss (call 3)
