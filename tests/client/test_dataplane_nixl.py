@@ -25,7 +25,7 @@ from expertd.client import ExpertClient, ShardCallError
 from expertd.client import nixl as nixl_client
 from expertd.client.channels import ExpertStub
 from expertd.client.stream import StreamCallError
-from expertd.server.launcher import start_shard, stop_shards, wait_serving
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.v1 import expertd_pb2 as pb
 
 pytestmark = pytest.mark.skipif(
