@@ -11,6 +11,9 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -18,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import hidden, routing
+from conftest import hidden, routing, shard_config
 
 from expertd import nixl
 from expertd.client import ExpertClient, ShardCallError
@@ -26,6 +29,7 @@ from expertd.client import nixl as nixl_client
 from expertd.client.channels import ExpertStub
 from expertd.client.stream import StreamCallError
 from expertd.launcher import start_shard, stop_shards, wait_serving
+from expertd.server.app import BackgroundServer
 from expertd.v1 import expertd_pb2 as pb
 
 pytestmark = pytest.mark.skipif(
@@ -283,3 +287,48 @@ def test_registration_needs_the_credentials_every_rpc_needs():
             assert client.forward(0, x, ids, w).shape == (4, 512)
     finally:
         stop_shards([shard])
+
+
+VANISHING_CLIENT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from expertd.client import ExpertClient
+    client = ExpertClient([sys.argv[1]], transport="nixl")
+    assert client.stats()[sys.argv[1]]["transport"] == "nixl"
+    x = torch.zeros((2, 512), dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    client.forward(0, x, ids, torch.full((2, 2), 0.5))
+    print("READY", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_vanished_client_frees_its_registration():
+    """A client process killed while it holds a NIXL lease: its stream ends, the shard
+    unloads its agent and frees its slots, and goes on serving."""
+    with BackgroundServer(shard_config(0, num_shards=1)) as server:
+        registry = server.servicer.remote
+        assert registry is not None and not registry.stats()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", VANISHING_CLIENT, server.address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout.readline().strip() == "READY"
+            assert len(registry.stats()) == 1
+            proc.kill()
+            proc.wait(30)
+            proc.stdout.close()
+            deadline = time.monotonic() + 10
+            while registry.stats():
+                assert time.monotonic() < deadline, "the dead client's registration is held"
+                time.sleep(0.05)
+            with ExpertClient([server.address], transport="nixl") as client:
+                assert client.stats()[server.address]["transport"] == "nixl"
+                x, ids, w = case(2, 3)
+                assert client.forward(0, x, ids, w).shape == (2, 512)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
