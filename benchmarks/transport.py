@@ -5,15 +5,19 @@ client against real shard processes, per transport, next to what the shards comp
                                    [--reps 200] [--out DIR]
 
 For each M, each transport (grpc: the ForwardStream path; shm: shared-memory slots;
-cuda-ipc where the client's tensors are on a GPU and the shard offers it) and 1 shard
+nixl: slots registered over NIXL, forced between processes of this host, UCX picking
+the transport (UCX_TLS=tcp,self in the environment measures TCP); cuda-ipc where
+the client's tensors are on a GPU and the shard offers it) and 1 shard
 (one process holding every expert) or 8 shards (8 processes): the client's end-to-end
 `ExpertClient.forward` time (p50, p99) next to the busiest shard's forward (the
 server's Timing.compute_us of that call: staging, copies, kernels) and the sum of the
 shards' forwards; overhead = e2e - busiest forward, per call. In the same run, the
 floors: a raw TCP echo round trip of the call's bytes (request out, partial back)
 between two processes, a grpc.aio stream echo of the same bytes, a futex doorbell
-round trip through shared memory between two processes, and (CUDA) a device-to-device
-copy of the same bytes. Prints a table last; writes JSON + PNG only with --out.
+round trip through shared memory between two processes, with NIXL installed a NIXL
+echo (the call's bytes WRITten with a notification, the partial's bytes WRITten back
+with one, between two processes' agents) and (CUDA) a device-to-device copy of the
+same bytes. Prints a table last; writes JSON + PNG only with --out.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import grpc
 import torch
 
 from expertd import dataplane as dp
+from expertd import nixl
 from expertd.client import ExpertClient, shm
 from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.synthetic import get_preset
@@ -191,6 +196,83 @@ def doorbell_us(reps: int, spin_s: float) -> list[float]:
     return times
 
 
+def _nixl_peer(md_q, back_q, nbytes: int, reply: int) -> None:
+    """The echo's far end: on each notification, WRITE `reply` bytes back with one."""
+    import numpy as np
+
+    agent = nixl.make_agent("echo")
+    buf = np.zeros(max(nbytes, reply, 1), np.uint8)
+    agent.register_memory([(buf.ctypes.data, buf.size, 0, "")], nixl.HOST)
+    md_q.put((agent.get_agent_metadata(), buf.ctypes.data))
+    peer_md, peer_addr = back_q.get()
+    peer = agent.add_remote_agent(peer_md)
+    while True:
+        for _name, msgs in agent.get_new_notifs().items():
+            for msg in msgs:
+                if msg == b"stop":
+                    return
+                if reply:
+                    local = agent.get_xfer_descs([(buf.ctypes.data, reply, 0)], nixl.HOST)
+                    remote = agent.get_xfer_descs([(peer_addr, reply, 0)], nixl.HOST)
+                    h = agent.initialize_xfer("WRITE", local, remote, peer, b"r")
+                    agent.transfer(h)
+                    while agent.check_xfer_state(h) == "PROC":
+                        pass
+                    agent.release_xfer_handle(h)
+                else:
+                    agent.send_notif(peer, b"r")
+
+
+def nixl_echo_us(request: int, reply: int, reps: int) -> list[float]:
+    """NIXL WRITE of `request` bytes with a notification, answered by a WRITE of
+    `reply` bytes with one (two processes, host memory, busy polling on both ends)."""
+    import numpy as np
+
+    ctx = mp.get_context("spawn")
+    md_q, back_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_nixl_peer, args=(md_q, back_q, request, reply), daemon=True)
+    proc.start()
+    agent = nixl.make_agent("bench")
+    buf = np.ones(max(request, reply, 1), np.uint8)
+    agent.register_memory([(buf.ctypes.data, buf.size, 0, "")], nixl.HOST)
+    peer_md, peer_addr = md_q.get(timeout=120)
+    back_q.put((agent.get_agent_metadata(), buf.ctypes.data))
+    peer = agent.add_remote_agent(peer_md)
+    times = []
+    try:
+        for i in range(reps + 10):
+            t0 = time.perf_counter()
+            if request:
+                local = agent.get_xfer_descs([(buf.ctypes.data, request, 0)], nixl.HOST)
+                remote = agent.get_xfer_descs([(peer_addr, request, 0)], nixl.HOST)
+                h = agent.initialize_xfer("WRITE", local, remote, peer, b"c")
+                agent.transfer(h)
+            else:
+                h = None
+                agent.send_notif(peer, b"c")
+            got = False
+            deadline = time.monotonic() + 30
+            while not got:
+                if h is not None and agent.check_xfer_state(h) != "PROC":
+                    agent.release_xfer_handle(h)
+                    h = None
+                got = bool(agent.get_new_notifs())
+                if time.monotonic() > deadline:
+                    raise TimeoutError("NIXL echo: no answer in 30 s")
+            if h is not None:
+                while agent.check_xfer_state(h) == "PROC":
+                    pass
+                agent.release_xfer_handle(h)
+            if i >= 10:
+                times.append((time.perf_counter() - t0) * 1e6)
+        agent.send_notif(peer, b"stop")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return times
+
+
 def d2d_us(nbytes: int, reps: int) -> list[float]:
     if not torch.cuda.is_available():
         return []
@@ -280,7 +362,8 @@ def main() -> int:
     preset = get_preset(args.preset or ("muse-spark" if args.device == "cuda" else "small"))
     ms = [int(m) for m in args.ms.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
-    transports = (args.transports or "grpc,shm").split(",")
+    with_nixl = nixl.available()
+    transports = (args.transports or ("grpc,shm,nixl" if with_nixl else "grpc,shm")).split(",")
     client_device = args.device
     common = [
         "--synthetic",
@@ -304,6 +387,7 @@ def main() -> int:
         tcp = tcp_echo_us(out_b, back_b, args.reps)
         echo = grpc_echo_us(out_b, back_b, args.reps)
         d2d = d2d_us(out_b + back_b, args.reps)
+        nixl_echo = nixl_echo_us(out_b, back_b, args.reps) if with_nixl else []
         floors.append(
             {
                 "M": m,
@@ -312,6 +396,8 @@ def main() -> int:
                 "tcp_echo_p50_us": pct(tcp, 0.5),
                 "grpc_stream_echo_p50_us": pct(echo, 0.5),
                 "shm_doorbell_p50_us": pct(bell, 0.5),
+                "nixl_echo_p50_us": pct(nixl_echo, 0.5) if nixl_echo else None,
+                "nixl_echo_p99_us": pct(nixl_echo, 0.99) if nixl_echo else None,
                 "d2d_copy_p50_us": pct(d2d, 0.5) if d2d else None,
             }
         )
@@ -342,6 +428,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "preset": preset.name,
         "python": f"{sys.version.split()[0]}, grpcio {grpc.__version__}",
+        "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
         "reps": args.reps,
         "floors": floors,
         "rows": rows,
@@ -388,13 +475,16 @@ def plot(result: dict, path: Path) -> None:
 def print_table(result: dict) -> None:
     print(
         f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}), p50 us:"
-        f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'d2d':>7}"
+        f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'nixl echo':>10} "
+        f"{'d2d':>7}"
     )
     for f in result["floors"]:
         d2d = f"{f['d2d_copy_p50_us']:7.1f}" if f["d2d_copy_p50_us"] is not None else "      -"
+        ne = f.get("nixl_echo_p50_us")
+        ne = f"{ne:10.0f}" if ne is not None else "         -"
         print(
             f"{f['M']:>6} {f['tcp_echo_p50_us']:9.0f} {f['grpc_stream_echo_p50_us']:10.0f} "
-            f"{f['shm_doorbell_p50_us']:9.1f} {d2d}"
+            f"{f['shm_doorbell_p50_us']:9.1f} {ne} {d2d}"
         )
     tcp = {f["M"]: f["tcp_echo_p50_us"] for f in result["floors"]}
     print(

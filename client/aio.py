@@ -28,6 +28,8 @@ import grpc
 import torch
 
 from expertd import dataplane as dp
+from expertd import nixl as nixl_plane
+from expertd.client import nixl as nixl_client
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import (
     Inputs,
@@ -54,11 +56,12 @@ from expertd.v1 import expertd_pb2 as pb
 
 BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
 
-# transport= values: "auto" leases shared-memory slots from each replica on this host and
-# uses gRPC for the others; "shm" asks for shared memory everywhere (a replica that cannot
-# give it fails the call's attempt with UNAVAILABLE); "grpc" (= "stream") and "unary"
-# never use shared memory.
-TRANSPORTS = ("auto", "shm", "grpc", "stream", "unary")
+# transport= values: "auto" leases shared-memory slots from each replica on this host,
+# registers NIXL slots with the others when NIXL is installed, and uses gRPC for the
+# rest; "shm" asks for shared memory everywhere and "nixl" for NIXL everywhere (a replica
+# that cannot give it fails the call's attempt with UNAVAILABLE; without NIXL installed,
+# "nixl" warns once and uses gRPC); "grpc" (= "stream") and "unary" use no data plane.
+TRANSPORTS = ("auto", "shm", "nixl", "grpc", "stream", "unary")
 
 
 class Fallback(Exception):
@@ -89,7 +92,8 @@ class AsyncExpertClient:
         retry_backoff: first pause before a retry (doubles, jittered);
         refresh_s: how often a live address is re-described;
         transport: "auto" (the default: shared-memory slots with each replica on this
-        host, docs/dataplane.md; gRPC with the others), "shm" (shared memory forced),
+        host, NIXL with the others when installed, docs/dataplane.md; else gRPC),
+        "shm" (shared memory forced), "nixl" (NIXL forced),
         "grpc" or "stream" (calls multiplexed over one ForwardStream per replica, see
         client/stream.py) or "unary" (one Forward RPC per shard and call);
         attempt_share: the part of the time left an attempt gets when another live
@@ -106,6 +110,10 @@ class AsyncExpertClient:
         self.transport = transport
         self._rpc = "unary" if transport == "unary" else "stream"
         self._shm = transport in ("auto", "shm") and dp.available()
+        self._nixl = transport in ("auto", "nixl")  # NIXL itself is loaded on first use
+        self._slots_on = self._shm or self._nixl
+        self._nixl_agent: nixl_client.ClientAgent | None = None
+        self._nixl_why = ""
         if transport == "shm" and not dp.available():
             raise ValueError("transport 'shm' needs Linux (memfd, futex, fd passing)")
         if not addresses:
@@ -160,7 +168,7 @@ class AsyncExpertClient:
     async def open_dataplanes(self, timeout: float | None = None) -> None:
         """Lease slots from every live replica on this host that has none yet (the
         transport is chosen per replica here, and again after it restarts)."""
-        if not self._shm:
+        if not self._slots_on:
             return
         timeout = self.discover_timeout if timeout is None else timeout
         eps = [ep for ep in self._pool.endpoints.values() if ep.alive and ep.info is not None]
@@ -169,7 +177,7 @@ class AsyncExpertClient:
     async def _dataplane(self, ep: Endpoint, timeout: float) -> ShmChannel | None:
         """This replica's slots, leased on first use (and again after a restart);
         None when it is on gRPC (auto: not on this host, or it offers none)."""
-        if not self._shm or ep.info is None:
+        if not self._slots_on or ep.info is None:
             return None
         instance = ep.info.instance_id
         ch = ep.dataplane
@@ -184,26 +192,60 @@ class AsyncExpertClient:
         if ch is not None or ep.dataplane_for == instance:
             return ch
         ep.dataplane_for = instance
-        if dp.SHM not in ep.info.dataplanes:
-            ep.dataplane_why = "the replica offers no same-host data plane"
-            return None
-        ch = ShmChannel(ep.address, instance)
-        try:
-            await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
-        except (LeaseError, OSError) as e:
-            ch.close()
-            ep.dataplane_why = str(e)
-            return None
-        ep.dataplane, ep.dataplane_why = ch, ""
-        return ch
+        offered = ep.info.dataplanes
+        whys = []
+        if self._shm:
+            if dp.SHM in offered:
+                ch = ShmChannel(ep.address, instance)
+                try:
+                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+                except (LeaseError, OSError) as e:
+                    ch.close()
+                    whys.append(str(e))
+                else:
+                    ep.dataplane, ep.dataplane_why = ch, ""
+                    return ch
+            else:
+                whys.append("the replica offers no same-host data plane")
+        if self._nixl:
+            if nixl_plane.NIXL not in offered:
+                whys.append("the replica offers no NIXL data plane")
+            elif (owner := self._nixl_owner()) is None:
+                whys.append(self._nixl_why)
+            else:
+                ch = nixl_client.NixlChannel(owner, ep.address, ep.info)
+                try:
+                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+                except (LeaseError, OSError) as e:
+                    ch.close()
+                    whys.append(str(e))
+                else:
+                    ep.dataplane, ep.dataplane_why = ch, ""
+                    return ch
+        ep.dataplane_why = "; ".join(whys)
+        return None
+
+    def _nixl_owner(self) -> nixl_client.ClientAgent | None:
+        """This client's NIXL agent, made on first use; None without NIXL (warned once)."""
+        if self._nixl_agent is None and not self._nixl_why:
+            if not nixl_client.usable():
+                self._nixl_why = f"NIXL unavailable: {nixl_plane.why()}"
+                return None
+            try:
+                self._nixl_agent = nixl_client.ClientAgent()
+            except Exception as e:
+                self._nixl_why = f"NIXL agent could not start: {e}"
+        return self._nixl_agent
 
     async def _slot(self, ep: Endpoint, timeout: float):
         """A free slot of this replica, leasing more when all are busy; None: use gRPC."""
         ch = await self._dataplane(ep, timeout)
         if ch is None:
-            if self.transport == "shm":
-                why = ep.dataplane_why or "no shared-memory slots"
-                raise StreamCallError(grpc.StatusCode.UNAVAILABLE, f"shm transport: {why}")
+            if self.transport == "shm" or (self.transport == "nixl" and not self._nixl_why):
+                why = ep.dataplane_why or "no data plane slots"
+                raise StreamCallError(
+                    grpc.StatusCode.UNAVAILABLE, f"{self.transport} transport: {why}"
+                )
             return None
         slot = ch.acquire()
         if slot is None and ch.size < MAX_SLOTS:
@@ -251,7 +293,7 @@ class AsyncExpertClient:
 
     def direct_ready(self) -> bool:
         """May calls try the caller's-thread path (slots with every shard)?"""
-        return self._shm and self.topology is not None
+        return self._slots_on and self.topology is not None
 
     def execute_direct(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
         """Route, write every shard's slot, ring all, wait for all, sum: on the calling
@@ -486,7 +528,7 @@ class AsyncExpertClient:
         # Slots carry calls with the client's own credentials (checked when leased);
         # a call with its own token or metadata goes over gRPC, where they are checked.
         slots_ok = (
-            self._shm and tuple(kv for kv in md if kv[0] != "x-request-id") == self._stream_md
+            self._slots_on and tuple(kv for kv in md if kv[0] != "x-request-id") == self._stream_md
         )
         rows = part.tokens.numel()
         tried: dict[str, str] = {}
@@ -622,6 +664,8 @@ class AsyncExpertClient:
             if ep.dataplane is not None:
                 ep.dataplane.close()
                 ep.dataplane = None
+        if self._nixl_agent is not None:
+            self._nixl_agent.close()
         await asyncio.gather(*(ep.channel.close() for ep in self._pool.endpoints.values()))
 
     async def __aenter__(self) -> AsyncExpertClient:

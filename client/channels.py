@@ -93,6 +93,11 @@ class ExpertStub:
             request_serializer=pb.RegisterSlotsRequest.SerializeToString,
             response_deserializer=pb.RegisterSlotsResponse.FromString,
         )
+        self.RegisterRemoteSlots = channel.unary_stream(
+            service + "RegisterRemoteSlots",
+            request_serializer=pb.RegisterSlotsRequest.SerializeToString,
+            response_deserializer=pb.RegisterSlotsResponse.FromString,
+        )
 
 
 def metadata_tuples(metadata) -> list[tuple[str, str]]:

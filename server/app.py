@@ -166,6 +166,11 @@ def add_expert_service(servicer: ExpertServicer, server: grpc.aio.Server) -> Non
             request_deserializer=pb.RegisterSlotsRequest.FromString,
             response_serializer=pb.RegisterSlotsResponse.SerializeToString,
         ),
+        "RegisterRemoteSlots": grpc.unary_stream_rpc_method_handler(
+            servicer.RegisterRemoteSlots,
+            request_deserializer=pb.RegisterSlotsRequest.FromString,
+            response_serializer=pb.RegisterSlotsResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -19,7 +19,8 @@ import torch
 
 import expertd
 from expertd import dataplane as dp
-from expertd.server import slots
+from expertd import nixl
+from expertd.server import remote, slots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
@@ -103,6 +104,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.slots: slots.SlotRegistry | None = (
             slots.SlotRegistry(self, self._instance) if dp.available() else None
         )
+        # The cross-host data plane (server/remote.py); None without NIXL installed.
+        self.remote: remote.RemoteRegistry | None = (
+            remote.RemoteRegistry(self, self._instance) if nixl.installed() else None
+        )
 
     @property
     def draining(self) -> bool:
@@ -136,6 +141,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     async def close(self) -> None:
         if self.slots is not None:
             self.slots.close()
+        if self.remote is not None:
+            self.remote.close()
         if self.batcher is not None:
             await self.batcher.stop()
         self._compute.shutdown(wait=True)
@@ -212,6 +219,11 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def release_inflight(self) -> None:
         self._inflight -= 1
         self.metrics.inflight.set(self._inflight)
+
+    def dataplanes(self) -> list[str]:
+        """The data planes this server offers besides gRPC."""
+        offered = [dp.SHM] if self.slots is not None else []
+        return offered + ([nixl.NIXL] if self.remote is not None else [])
 
     def count_slot(self, code: grpc.StatusCode) -> None:
         self._count("Slot", code)
@@ -351,6 +363,35 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             slots=request.slots or 1,
         )
 
+    async def RegisterRemoteSlots(self, request, context):
+        """Register a caller's NIXL slots; the stream is the lease (server/remote.py)."""
+        if self.remote is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this server offers no cross-host data plane (NIXL is not installed)",
+            )
+        if self.bank is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        hidden = self.bank.info.hidden_size
+        try:
+            lease, reply = await self._loop.run_in_executor(
+                self._prep, self.remote.register, request, hidden
+            )
+        except RequestError as e:
+            self._count("RegisterRemoteSlots", e.code)
+            await context.abort(e.code, e.message)
+        except RuntimeError as e:  # NIXL could not start here
+            self._count("RegisterRemoteSlots", grpc.StatusCode.FAILED_PRECONDITION)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"NIXL: {e}")
+        self._count("RegisterRemoteSlots", grpc.StatusCode.OK)
+        try:
+            yield reply
+            await self.remote.hold(lease, self._drain)
+        finally:
+            self.remote.release(lease)
+
     async def Describe(self, request, context):
         if self.bank is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
@@ -379,5 +420,5 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             max_message_bytes=self.limits.max_message_bytes(info.hidden_size),
             shard_index=self._shard[0],
             num_shards=self._shard[1],
-            dataplanes=[dp.SHM] if self.slots is not None else [],
+            dataplanes=self.dataplanes(),
         )

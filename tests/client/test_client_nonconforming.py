@@ -220,7 +220,7 @@ def test_a_wedged_stream_is_replaced_for_the_next_call():
     fresh stream instead of waiting behind it."""
     fake = FakeShard("wedge_first_stream")
     try:
-        with ExpertClient([fake.address], timeout=20) as client:
+        with ExpertClient([fake.address], timeout=20, transport="stream") as client:
             x, ids, w = case([FAKE[0], FAKE[1]])
             with pytest.raises(ShardCallError) as info:
                 client.forward(0, x, ids, w, timeout=1.0)

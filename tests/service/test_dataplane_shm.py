@@ -19,6 +19,7 @@ import torch
 from conftest import hidden, routing, shard_config
 
 from expertd import dataplane as dp
+from expertd import nixl
 from expertd.client import AsyncExpertClient, ExpertClient, ShardCallError
 from expertd.client.channels import ExpertStub
 from expertd.client.shm import ShmChannel
@@ -93,7 +94,8 @@ def test_describe_names_the_dataplanes(cluster):
         async with grpc.aio.insecure_channel(cluster[0].address) as ch:
             return await ExpertStub(ch).Describe(pb.DescribeRequest(), timeout=10)
 
-    assert list(asyncio.run(describe()).dataplanes) == ["shm"]
+    offered = ["shm"] + (["nixl"] if nixl.installed() else [])
+    assert list(asyncio.run(describe()).dataplanes) == offered
 
 
 def test_async_client_many_calls_at_once_over_slots(addresses):

@@ -148,19 +148,47 @@ class CudaBuffer(_message.Message):
     device_uuid: str
     def __init__(self, ipc_handle: _Optional[bytes] = ..., byte_size: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
+class NixlRegion(_message.Message):
+    __slots__ = ("address", "byte_size", "device_id", "memory")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    byte_size: int
+    device_id: int
+    memory: str
+    def __init__(self, address: _Optional[int] = ..., byte_size: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ...) -> None: ...
+
+class NixlPeer(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "regions")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    regions: _containers.RepeatedCompositeFieldContainer[NixlRegion]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ...) -> None: ...
+
 class RegisterSlotsRequest(_message.Message):
-    __slots__ = ("transport", "slots", "max_tokens", "top_k", "cuda_buffers")
+    __slots__ = ("transport", "slots", "max_tokens", "top_k", "cuda_buffers", "nixl", "instance_id", "activation_dtype")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     CUDA_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_DTYPE_FIELD_NUMBER: _ClassVar[int]
     transport: str
     slots: int
     max_tokens: int
     top_k: int
     cuda_buffers: _containers.RepeatedCompositeFieldContainer[CudaBuffer]
-    def __init__(self, transport: _Optional[str] = ..., slots: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., cuda_buffers: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ...) -> None: ...
+    nixl: NixlPeer
+    instance_id: str
+    activation_dtype: DType
+    def __init__(self, transport: _Optional[str] = ..., slots: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., cuda_buffers: _Optional[_Iterable[_Union[CudaBuffer, _Mapping]]] = ..., nixl: _Optional[_Union[NixlPeer, _Mapping]] = ..., instance_id: _Optional[str] = ..., activation_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SlotLayout(_message.Message):
     __slots__ = ("control_offset", "control_bytes", "x_offset", "ids_offset", "weights_offset", "out_offset", "byte_size", "max_tokens", "top_k", "hidden_size")
@@ -187,17 +215,19 @@ class SlotLayout(_message.Message):
     def __init__(self, control_offset: _Optional[int] = ..., control_bytes: _Optional[int] = ..., x_offset: _Optional[int] = ..., ids_offset: _Optional[int] = ..., weights_offset: _Optional[int] = ..., out_offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class RegisterSlotsResponse(_message.Message):
-    __slots__ = ("socket_name", "token", "lease_id", "layout", "instance_id", "slots")
+    __slots__ = ("socket_name", "token", "lease_id", "layout", "instance_id", "slots", "nixl")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     socket_name: str
     token: bytes
     lease_id: str
     layout: SlotLayout
     instance_id: str
     slots: int
-    def __init__(self, socket_name: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[SlotLayout, _Mapping]] = ..., instance_id: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+    nixl: NixlPeer
+    def __init__(self, socket_name: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[SlotLayout, _Mapping]] = ..., instance_id: _Optional[str] = ..., slots: _Optional[int] = ..., nixl: _Optional[_Union[NixlPeer, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class ExpertServiceStub:
                 request_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
                 response_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
                 _registered_method=True)
+        self.RegisterRemoteSlots = channel.unary_stream(
+                '/expertd.v1.ExpertService/RegisterRemoteSlots',
+                request_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -93,6 +98,18 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRemoteSlots(self, request, context):
+        """Cross-host data plane over NIXL (docs/dataplane.md, "Across hosts"): the
+        caller registers its slots' memory (transport "nixl", its agent's metadata
+        and one region per slot); the first message answers with this shard's agent
+        metadata and its slots' input regions. The stream stays open for the lease's
+        life: when the caller closes it (or its connection ends) the registration is
+        freed; when it ends from this side the caller's calls in flight fail.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +130,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
             ),
             'RegisterSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterSlots,
+                    request_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.SerializeToString,
+            ),
+            'RegisterRemoteSlots': grpc.unary_stream_rpc_method_handler(
+                    servicer.RegisterRemoteSlots,
                     request_deserializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.FromString,
                     response_serializer=expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.SerializeToString,
             ),
@@ -223,6 +245,33 @@ class ExpertService:
             request,
             target,
             '/expertd.v1.ExpertService/RegisterSlots',
+            expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
+            expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRemoteSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/expertd.v1.ExpertService/RegisterRemoteSlots',
             expertd_dot_v1_dot_expertd__pb2.RegisterSlotsRequest.SerializeToString,
             expertd_dot_v1_dot_expertd__pb2.RegisterSlotsResponse.FromString,
             options,

@@ -1,0 +1,428 @@
+"""The client's side of the cross-host data plane (`nixl`): slots registered with a
+shard replica over NIXL, filled and sent from the caller's thread or the event loop.
+
+The client holds one NIXL agent (made on first use) and its progress thread. A
+lease with a replica (expertd/nixl.py, docs/dataplane.md "Across hosts: NIXL"):
+the client allocates and registers its slots (the same Layout as a same-host
+slot), sends its agent's metadata and the slots' regions in RegisterRemoteSlots
+(with its credentials), and loads the shard's agent from the first answer. That
+stream stays open for the lease's life: closing it frees the registration on the
+shard, and its end from the shard's side (stopped, restarted, gone) fails the
+calls in flight at once with UNAVAILABLE, so the caller fails over as on gRPC.
+
+A call: the routed rows go straight into the slot's input regions (one gather),
+then one NIXL WRITE of x, ids and weights into the shard's slot with a CALL
+notification. The shard WRITEs the partial into the slot's output region with an
+ANSWER notification (sequence number, status, timing); the progress thread hands
+it to the waiter: a threading.Event for the caller's thread, a future on an event
+loop. The partial is read where it lies until the caller releases the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from expertd import dataplane as dp
+from expertd import nixl
+from expertd.client.shm import LeaseError
+from expertd.client.stream import StreamCallError
+
+log = logging.getLogger("expertd.client")
+
+WAIT_SLICE_S = 0.02  # the caller's thread checks the lease's end this often
+DEFAULT_TOP_K = 64
+SLOTS = 4  # slots per replica: calls beyond this many at once use gRPC  # routes per row a slot holds when the replica does not say
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_warned = threading.Event()
+
+
+def usable() -> bool:
+    """Is NIXL importable here? Without it the client says so once, then uses gRPC."""
+    if nixl.load() is not None:
+        return True
+    if not _warned.is_set():
+        _warned.set()
+        log.warning("cross-host data plane off, calls go over gRPC: %s", nixl.why())
+    return False
+
+
+class ClientAgent:
+    """This client's NIXL agent, its progress thread and its leases by shard agent."""
+
+    def __init__(self) -> None:
+        self.agent = nixl.make_agent("client")
+        self.name = self.agent.name
+        self.leases: dict[str, NixlLease] = {}
+        self._lock = threading.Lock()
+        self.progress = nixl.Progress(self.agent, self._on_notif, "expertd-nixl-client")
+
+    def _on_notif(self, peer, message: bytes) -> None:
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        with self._lock:
+            lease = self.leases.get(peer)
+        if lease is None:
+            return
+        try:
+            index, seq, status, rows, timing, text = nixl.unpack_answer(message)
+        except ValueError:
+            log.info("malformed notification from %s ignored", peer)
+            return
+        if index < len(lease.slots):
+            lease.slots[index].answer(seq, status, rows, timing, text)
+
+    def add(self, lease: NixlLease) -> None:
+        with self._lock:
+            self.leases[lease.peer] = lease
+
+    def drop(self, lease: NixlLease) -> None:
+        with self._lock:
+            if self.leases.get(lease.peer) is lease:
+                del self.leases[lease.peer]
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(lease.peer)
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(lease.reg)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class NixlSlot:
+    """One slot: this client's registered memory and the shard's region for it."""
+
+    def __init__(self, lease: NixlLease, index: int, layout: dp.Layout, buf: np.ndarray) -> None:
+        self.lease = lease
+        self.index = index
+        self.layout = layout
+        self.buf = buf
+        self.addr = buf.ctypes.data
+        self.remote_addr = 0
+        h, k, mmax = layout.hidden, layout.top_k, layout.max_tokens
+        self.x = buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.uint16)
+        self.ids = buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)
+        self.w = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(np.float32)
+        self.out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h].view(np.uint16)
+        self.seq = 0
+        self.rows = 0
+        self.channel: NixlChannel | None = None
+        self.held = False
+        self.pending = False  # a call was sent and not answered yet
+        self.event = threading.Event()
+        self._answer = None  # (status, rows, timing, text) of the call `seq`
+
+    def release(self) -> None:
+        self.held = False
+        if not self.lease.closed and self.channel is not None:
+            self.channel.release(self)
+
+    def idle(self) -> bool:
+        """Answered everything sent (a call abandoned at its deadline keeps the slot
+        out of use until the shard answers it)."""
+        return not self.pending
+
+    def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
+        """Write one call's rows and send them with the call (see shm.Slot.start)."""
+        m, k = ids.shape
+        lay = self.layout
+        if m > lay.max_tokens or (m and k > lay.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
+            )
+        h = lay.hidden
+        if m:
+            dst = self.x[: m * h].reshape(m, h)
+            if tokens is None:
+                dst[:] = x_bits
+            else:
+                np.take(x_bits, tokens, axis=0, out=dst)
+            self.ids[: m * k] = ids.reshape(-1)
+            self.w[: m * k] = w.reshape(-1)
+        self.rows = m
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        self._answer = None
+        self.event.clear()
+        self.pending = True
+        lease = self.lease
+        message = nixl.pack_call(self.index, self.seq, layer, m, k, max(int(timeout * 1e6), 1), 0)
+        agent = lease.owner.agent
+        try:
+            if m:
+                spans = [
+                    (lay.x_offset, 2 * m * h),
+                    (lay.ids_offset, 4 * m * k),
+                    (lay.weights_offset, 4 * m * k),
+                ]
+                local = agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in spans], nixl.HOST)
+                remote = agent.get_xfer_descs(
+                    [(self.remote_addr + o, n, 0) for o, n in spans], nixl.HOST
+                )
+                seq = self.seq
+                lease.owner.progress.post(
+                    "WRITE", local, remote, lease.peer, message, lambda s: self._sent(seq, s)
+                )
+            else:
+                lease.owner.progress.notify(lease.peer, message)
+        except Exception as e:
+            self.pending = False
+            lease.ended(f"NIXL transfer failed ({e})")
+            raise lease.error() from None
+
+    def _sent(self, seq: int, state: str) -> None:
+        """The WRITE's end (progress thread): an error fails the lease's calls."""
+        if state != "DONE" and seq == self.seq:
+            self.lease.ended("NIXL transfer to the shard failed (its host or agent is gone)")
+
+    def answer(self, seq: int, status: int, rows: int, timing: dict, text: str) -> None:
+        """The shard's answer (progress thread)."""
+        if seq != self.seq or not self.pending:
+            return
+        self._answer = (status, rows, timing, text)
+        self.pending = False
+        self.event.set()
+        entry = self.lease.waiters.get(self.index)
+        if entry is not None and entry[0] == seq:
+            fut = entry[1]
+            with contextlib.suppress(RuntimeError):  # its loop closed
+                fut.get_loop().call_soon_threadsafe(_resolve, fut)
+
+    def answered(self) -> bool:
+        return self._answer is not None
+
+    def wait(self, deadline: float) -> bool:
+        """Block until answered (True), the deadline (False) or the lease's end
+        (StreamCallError UNAVAILABLE)."""
+        while True:
+            left = deadline - time.monotonic()
+            if self.event.wait(max(min(left, WAIT_SLICE_S), 0)) and self.answered():
+                return True
+            if self.lease.closed:
+                raise self.lease.error()
+            if time.monotonic() >= deadline:
+                return False
+
+    def result(self) -> np.ndarray:
+        status, rows, _timing, text = self._answer
+        if status:
+            raise StreamCallError(_CODES.get(status, grpc.StatusCode.UNKNOWN), text)
+        if rows != self.rows:
+            raise StreamCallError(
+                grpc.StatusCode.INTERNAL, f"shard answered {rows} rows, expected {self.rows}"
+            )
+        h = self.layout.hidden
+        return self.out[: rows * h].reshape(rows, h)
+
+    def timing(self) -> dict:
+        return dict(self._answer[2]) if self._answer is not None else {}
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _fail(fut: asyncio.Future, error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
+        fut.exception()
+
+
+class NixlLease:
+    """One registration with one replica: its stream, its slots, the shard's agent."""
+
+    def __init__(self, owner: ClientAgent, instance_id: str) -> None:
+        self.owner = owner
+        self.instance_id = instance_id
+        self.peer = ""
+        self.lease_id = ""
+        self.slots: list[NixlSlot] = []
+        self.reg = None
+        self.call = None  # the RegisterRemoteSlots stream
+        self.watcher: asyncio.Task | None = None
+        self.closed = False
+        self.why = ""
+        self.waiters: dict[int, tuple[int, asyncio.Future]] = {}
+
+    def check_closed(self) -> bool:
+        return self.closed
+
+    def error(self) -> StreamCallError:
+        return StreamCallError(grpc.StatusCode.UNAVAILABLE, f"nixl lease: {self.why}")
+
+    def ended(self, why: str) -> None:
+        """The lease is over (any thread): calls in flight fail with UNAVAILABLE."""
+        if self.closed:
+            return
+        self.why = why
+        self.closed = True
+        for slot in self.slots:
+            slot.event.set()
+        for _seq, fut in list(self.waiters.values()):
+            with contextlib.suppress(RuntimeError):
+                fut.get_loop().call_soon_threadsafe(_fail, fut, self.error())
+
+    async def watch(self) -> None:
+        """Read the stream until it ends (on the event loop)."""
+        why = "the shard ended the lease (stopped or restarted)"
+        try:
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    break
+        except asyncio.CancelledError:
+            why = "closed by the client"
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                why = "closed by the client"
+            else:
+                why = f"the lease's stream ended: {e.code().name}: {e.details()}"
+        self.ended(why)
+
+    def close(self) -> None:
+        self.ended("closed by the client")
+        if self.call is not None:
+            self.call.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+        self.owner.drop(self)
+
+
+class NixlChannel:
+    """Every slot this client holds with one replica over NIXL (see shm.ShmChannel)."""
+
+    name = nixl.NIXL
+
+    def __init__(self, owner: ClientAgent, address: str, info) -> None:
+        self.owner = owner
+        self.address = address
+        self.instance_id = info.instance_id
+        self.layout = dp.Layout(
+            info.max_tokens_per_request, info.top_k or DEFAULT_TOP_K, info.hidden_size
+        )
+        self.leases: list[NixlLease] = []
+        self._free: list[NixlSlot] = []
+        self._lock = threading.Lock()
+        self.broken = ""
+
+    @property
+    def size(self) -> int:
+        return sum(len(lease.slots) for lease in self.leases)
+
+    def acquire(self) -> NixlSlot | None:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                slot = self._free[i]
+                if slot.lease.closed:
+                    del self._free[i]
+                elif slot.idle():
+                    slot.held = True
+                    return self._free.pop(i)
+        return None
+
+    def release(self, slot: NixlSlot) -> None:
+        with self._lock:
+            if not slot.lease.closed:
+                self._free.append(slot)
+
+    def usable(self) -> bool:
+        if self.broken:
+            return False
+        for lease in self.leases:
+            if lease.closed:
+                self.broken = lease.why or "lease ended"
+                return False
+        return True
+
+    async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
+        """Register the replica's slots (LeaseError when it cannot). One registration
+        per replica, of SLOTS slots: the shard knows this client's agent once."""
+        from expertd.v1 import expertd_pb2 as pb
+
+        if self.leases:
+            raise LeaseError("every slot this replica gives is registered")
+        slots = max(slots, SLOTS)
+
+        lay = self.layout
+        owner = self.owner
+        lease = NixlLease(owner, self.instance_id)
+        bufs = [np.zeros(lay.byte_size, np.uint8) for _ in range(slots)]
+        for i, buf in enumerate(bufs):
+            lease.slots.append(NixlSlot(lease, i, lay, buf))
+        try:
+            lease.reg = owner.agent.register_memory(
+                [(b.ctypes.data, lay.byte_size, 0, "") for b in bufs], nixl.HOST
+            )
+        except Exception as e:
+            raise LeaseError(f"slot memory could not be registered with NIXL ({e})") from None
+        request = pb.RegisterSlotsRequest(
+            transport=nixl.NIXL,
+            slots=slots,
+            max_tokens=lay.max_tokens,
+            top_k=lay.top_k,
+            instance_id=self.instance_id,
+            activation_dtype=pb.BF16,
+            nixl=pb.NixlPeer(
+                agent_name=owner.name,
+                # read after registering: the shard finds these regions in it
+                agent_metadata=owner.agent.get_agent_metadata(),
+                regions=[
+                    pb.NixlRegion(address=s.addr, byte_size=lay.byte_size, memory=nixl.HOST)
+                    for s in lease.slots
+                ],
+            ),
+        )
+        call = stub.RegisterRemoteSlots(request, metadata=metadata)
+        lease.call = call
+        try:
+            try:
+                reply = await asyncio.wait_for(call.read(), timeout)
+            except TimeoutError:
+                raise LeaseError("RegisterRemoteSlots: no answer in time") from None
+            except grpc.RpcError as e:
+                raise LeaseError(f"RegisterRemoteSlots: {e.code().name}: {e.details()}") from None
+            if reply is grpc.aio.EOF:
+                raise LeaseError("RegisterRemoteSlots: the shard closed the stream")
+            if reply.instance_id != self.instance_id:
+                raise LeaseError("the replica restarted while registering")
+            try:
+                theirs = dp.Layout.from_proto(reply.layout)
+            except ValueError as e:
+                raise LeaseError(str(e)) from None
+            if theirs != lay or len(reply.nixl.regions) != slots:
+                raise LeaseError("the shard answered another slot layout")
+            for slot, region in zip(lease.slots, reply.nixl.regions, strict=True):
+                if region.byte_size < lay.byte_size or region.memory != nixl.HOST:
+                    raise LeaseError("the shard's slot regions do not fit the layout")
+                slot.remote_addr = region.address
+            try:
+                peer = owner.agent.add_remote_agent(reply.nixl.agent_metadata)
+            except Exception:
+                raise LeaseError("the shard's NIXL agent metadata was not accepted") from None
+            lease.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            lease.lease_id = reply.lease_id
+            owner.add(lease)
+            with contextlib.suppress(Exception):
+                owner.agent.make_connection(lease.peer)
+        except BaseException:
+            lease.closed = True
+            call.cancel()
+            owner.drop(lease)
+            raise
+        lease.watcher = asyncio.ensure_future(lease.watch())
+        for slot in lease.slots:
+            slot.channel = self
+        with self._lock:
+            self.leases.append(lease)
+            self._free.extend(lease.slots)
+
+    def close(self) -> None:
+        with self._lock:
+            leases, self.leases, self._free = self.leases, [], []
+        for lease in leases:
+            lease.close()

@@ -1,0 +1,240 @@
+"""The cross-host data plane's shared pieces: loading NIXL, one agent per process
+side, the call and answer notifications, and the progress thread.
+
+Both ends use these: the shard server (server/remote.py) and the client
+(client/nixl.py). docs/dataplane.md ("Across hosts: NIXL") describes the protocol;
+in short, each side registers one region per slot, laid out as a same-host slot
+(expertd/dataplane.py, Layout), and a call is:
+
+    client: rows into its slot's input regions, then one NIXL WRITE of x, ids and
+            weights (m rows) into the shard's slot, with a CALL notification;
+    shard:  on the notification (delivered after the data), the normal checks and
+            batching; the partial into its slot's output region, then one NIXL WRITE
+            of it into the client's slot, with an ANSWER notification (sequence
+            number, status, timing; an error is an ANSWER alone, with its text).
+
+NIXL (PyPI nixl-cu13, module nixl_cu13) is optional: the extra `expertd[nixl]`.
+`load()` imports it on first use; without it the data plane is not offered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+log = logging.getLogger("expertd.nixl")
+
+NIXL = "nixl"
+MODULE = "nixl_cu13"
+HOST = "DRAM"
+
+CALL = b"C"
+ANSWER = b"A"
+# CALL: slot, seq, layer, m, k (u32), timeout_us, request_id (u64)
+_CALL = struct.Struct("<5I2Q")
+# ANSWER: slot, seq (u32), status (i32), out_rows (u32), queue, compute, total, stage,
+# device (u64, us), batch_requests, batch_tokens (u32); then the error text (UTF-8)
+_ANSWER = struct.Struct("<2IiI5Q2I")
+ERROR_BYTES = 1024
+TIMING = ("queue_us", "compute_us", "total_us", "stage_us", "device_us")
+BATCH = ("batch_requests", "batch_tokens")
+
+_module = None
+_why = ""
+_lock = threading.Lock()
+
+
+def load():
+    """The nixl_cu13 module, or None (`why()` says why); imported once."""
+    global _module, _why
+    with _lock:
+        if _module is None and not _why:
+            try:
+                import nixl_cu13
+
+                _module = nixl_cu13
+            except Exception as e:  # ImportError, or its native libraries failing to load
+                _why = f"{MODULE} is not importable ({e}); install expertd[nixl]"
+        return _module
+
+
+def why() -> str:
+    return _why
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def installed() -> bool:
+    """Is NIXL there to import (without importing it: a server decides at start what
+    it offers, and imports it on the first registration)?"""
+    if _module is not None:
+        return True
+    if _why:
+        return False
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def make_agent(role: str):
+    """A NIXL agent with the UCX backend (UCX picks the transport: RDMA, NVLink,
+    shared memory or TCP). Calls from several threads are serialized by NIXL; there
+    is no progress thread (the Progress thread below drives it)."""
+    nixl = load()
+    if nixl is None:
+        raise RuntimeError(_why)
+    config = nixl.nixl_agent_config(
+        enable_prog_thread=False,
+        backends=["UCX"],
+        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    with _quiet():
+        agent = nixl.nixl_agent(f"expertd-{role}-{uuid.uuid4().hex[:16]}", config)
+    if "UCX" not in agent.backends:
+        raise RuntimeError("NIXL has no UCX backend here")
+    return agent
+
+
+@contextlib.contextmanager
+def _quiet():
+    """NIXL logs every agent's start at INFO; keep that out of the product's logs."""
+    logger = logging.getLogger("nixl")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def pack_call(slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int):
+    return CALL + _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1))
+
+
+def unpack_call(msg: bytes) -> tuple[int, int, int, int, int, int, int]:
+    """-> (slot, seq, layer, m, k, timeout_us, request_id); ValueError when malformed."""
+    if msg[:1] != CALL or len(msg) != 1 + _CALL.size:
+        raise ValueError("malformed call notification")
+    return _CALL.unpack_from(msg, 1)
+
+
+def pack_answer(slot: int, seq: int, status: int, rows: int, timing: dict, error: str = ""):
+    fields = [int(timing.get(name, 0)) for name in TIMING + BATCH]
+    text = error.encode("utf-8", "replace")[:ERROR_BYTES]
+    return ANSWER + _ANSWER.pack(slot, seq, status, rows, *fields) + text
+
+
+def unpack_answer(msg: bytes):
+    """-> (slot, seq, status, rows, timing dict, error text); ValueError when malformed."""
+    if msg[:1] != ANSWER or len(msg) < 1 + _ANSWER.size:
+        raise ValueError("malformed answer notification")
+    slot, seq, status, rows, *fields = _ANSWER.unpack_from(msg, 1)
+    timing = dict(zip(TIMING + BATCH, fields, strict=True))
+    text = msg[1 + _ANSWER.size :].decode("utf-8", "replace")
+    return slot, seq, status, rows, timing, text
+
+
+class Progress:
+    """One thread that drives an agent: it reads new notifications (handing each
+    to `on_notif(agent_name, message)`) and checks the transfers this side posted
+    (UCX sends a transfer's notification once a check finds it complete; `on_done`
+    gets "DONE" or "ERR"). It spins briefly after any activity and otherwise sleeps
+    in short naps, so an idle shard costs little CPU."""
+
+    SPIN_S = 200e-6
+    NAP_S = 100e-6
+    MAX_NAP_S = 1e-3
+
+    def __init__(self, agent, on_notif: Callable[[str, bytes], None], name: str) -> None:
+        self.agent = agent
+        self.on_notif = on_notif
+        self._posted: list[tuple[object, Callable[[str], None] | None]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def post(self, operation: str, local, remote, peer: str, notif: bytes, on_done=None):
+        """Start one transfer (local and remote: transfer descriptor lists)."""
+        agent = self.agent
+        handle = agent.initialize_xfer(operation, local, remote, peer, notif)
+        state = agent.transfer(handle)
+        if state == "ERR":
+            agent.release_xfer_handle(handle)
+            raise ConnectionError(f"NIXL transfer to {peer} failed to start")
+        with self._lock:
+            self._posted.append((handle, on_done))
+        self._wake.set()
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self.agent.send_notif(peer, message)
+        self._wake.set()
+
+    def _run(self) -> None:
+        agent = self.agent
+        idle_since = time.monotonic()
+        nap = self.NAP_S
+        while not self._stop:
+            busy = False
+            try:
+                notifs = agent.get_new_notifs()
+            except Exception as e:  # a peer's connection broke: its calls fail elsewhere
+                log.debug("NIXL notifications: %s", e)
+                notifs = {}
+            for peer, messages in notifs.items():
+                for message in messages:
+                    busy = True
+                    try:
+                        self.on_notif(peer, message)
+                    except Exception:
+                        log.exception("NIXL notification from %s", peer)
+            with self._lock:
+                posted = list(self._posted)
+            if posted:
+                busy = True
+                done = []
+                for entry in posted:
+                    handle, on_done = entry
+                    try:
+                        state = agent.check_xfer_state(handle)
+                    except Exception:
+                        state = "ERR"
+                    if state == "PROC":
+                        continue
+                    done.append(entry)
+                    with contextlib.suppress(Exception):
+                        agent.release_xfer_handle(handle)
+                    if on_done is not None:
+                        try:
+                            on_done(state)
+                        except Exception:
+                            log.exception("NIXL transfer completion")
+                if done:
+                    with self._lock:
+                        self._posted = [e for e in self._posted if e not in done]
+            now = time.monotonic()
+            if busy:
+                idle_since, nap = now, self.NAP_S
+                continue
+            if now - idle_since < self.SPIN_S:
+                continue
+            self._wake.wait(nap)
+            self._wake.clear()
+            nap = min(nap * 2, self.MAX_NAP_S)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=2)
