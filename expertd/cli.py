@@ -109,7 +109,7 @@ def _serve_parser(sub) -> None:
     cap.add_argument(
         "--max-streams-per-connection",
         type=int,
-        default=_env("MAX_STREAMS_PER_CONNECTION", 1024, int),
+        default=_env("MAX_STREAMS_PER_CONNECTION", 4096, int),
         help="concurrent calls on one connection",
     )
     cap.add_argument(

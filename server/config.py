@@ -43,7 +43,7 @@ class ServerConfig:
     # max_inflight, so overload stays the service's own counted refusal
     max_concurrent_rpcs: int = 8192
     max_connections: int = 1024  # open client connections; more are closed at once
-    max_streams_per_connection: int = 1024  # concurrent calls on one connection (HTTP/2)
+    max_streams_per_connection: int = 4096  # concurrent calls on one connection (HTTP/2)
     receive_timeout_s: float = 30.0  # a call's request message must arrive within this
     stream_idle_timeout_s: float = 300.0  # a stream's next request, else its requests end
     connection_idle_s: float = 600.0  # connections without calls for this long are closed
