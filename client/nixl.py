@@ -31,7 +31,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd import nixl
-from expertd.client.shm import LeaseError
+from expertd.client.shm import LeaseError, SlotPool
 from expertd.client.stream import StreamCallError
 
 log = logging.getLogger("expertd.client")
@@ -293,7 +293,7 @@ class NixlLease:
         self.owner.drop(self)
 
 
-class NixlChannel:
+class NixlChannel(SlotPool):
     """Every slot this client holds with one replica over NIXL (see shm.ShmChannel)."""
 
     name = nixl.NIXL
@@ -305,39 +305,7 @@ class NixlChannel:
         self.layout = dp.Layout(
             info.max_tokens_per_request, info.top_k or DEFAULT_TOP_K, info.hidden_size
         )
-        self.leases: list[NixlLease] = []
-        self._free: list[NixlSlot] = []
-        self._lock = threading.Lock()
-        self.broken = ""
-
-    @property
-    def size(self) -> int:
-        return sum(len(lease.slots) for lease in self.leases)
-
-    def acquire(self) -> NixlSlot | None:
-        with self._lock:
-            for i in range(len(self._free) - 1, -1, -1):
-                slot = self._free[i]
-                if slot.lease.closed:
-                    del self._free[i]
-                elif slot.idle():
-                    slot.held = True
-                    return self._free.pop(i)
-        return None
-
-    def release(self, slot: NixlSlot) -> None:
-        with self._lock:
-            if not slot.lease.closed:
-                self._free.append(slot)
-
-    def usable(self) -> bool:
-        if self.broken:
-            return False
-        for lease in self.leases:
-            if lease.closed:
-                self.broken = lease.why or "lease ended"
-                return False
-        return True
+        super().__init__()
 
     async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
         """Register the replica's slots (LeaseError when it cannot). One registration

@@ -260,25 +260,22 @@ def _fail(fut: asyncio.Future, error: Exception) -> None:
         fut.exception()  # its waiter may have gone: no "never retrieved" log
 
 
-class ShmChannel:
-    """Every slot this client holds with one replica; thread-safe hand-out."""
+class SlotPool:
+    """The slots a client holds with one replica, over any slot transport: a
+    thread-safe hand-out of idle slots, and whether the replica's leases still hold.
+    Subclasses fill `leases` (each with `slots`, `closed`, `why`) and `_free`."""
 
-    name = dp.SHM
-
-    def __init__(self, address: str, instance_id: str) -> None:
-        self.address = address
-        self.instance_id = instance_id
-        self.leases: list[Lease] = []
-        self._free: list[Slot] = []
+    def __init__(self) -> None:
+        self.leases: list = []
+        self._free: list = []
         self._lock = threading.Lock()
         self.broken = ""  # why this channel is unusable (set once a lease ended)
-        self.calls = 0
 
     @property
     def size(self) -> int:
         return sum(len(lease.slots) for lease in self.leases)
 
-    def acquire(self) -> Slot | None:
+    def acquire(self):
         """A free slot, or None (all busy or abandoned)."""
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):
@@ -290,7 +287,7 @@ class ShmChannel:
                     return self._free.pop(i)
         return None
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot) -> None:
         with self._lock:
             if not slot.lease.closed:
                 self._free.append(slot)
@@ -303,6 +300,18 @@ class ShmChannel:
                 self.broken = lease.why or "lease ended"
                 return False
         return True
+
+
+class ShmChannel(SlotPool):
+    """Every slot this client holds with one replica; thread-safe hand-out."""
+
+    name = dp.SHM
+
+    def __init__(self, address: str, instance_id: str) -> None:
+        self.address = address
+        self.instance_id = instance_id
+        super().__init__()
+        self.calls = 0
 
     async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
         """Lease `slots` more slots from the replica (LeaseError when it cannot be done)."""
