@@ -260,14 +260,14 @@ def to_forward_request(
     for wanted in request.outputs:
         if wanted.name != "output":
             raise invalid(f"unknown output {wanted.name!r}; the model has one output, 'output'")
-    layer = 0
-    if "layer" in request.parameters:
-        param = request.parameters["layer"]
-        if param.WhichOneof("parameter_choice") not in ("int64_param", "uint64_param"):
-            raise invalid("parameter 'layer' must be an integer")
-        layer = getattr(param, param.WhichOneof("parameter_choice"))
-        if not 0 <= layer < 2**32:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"layer {layer} is not served here")
+    if "layer" not in request.parameters:  # never a silent layer 0
+        raise invalid("request parameter 'layer' (an integer) is required: which MoE layer to run")
+    param = request.parameters["layer"]
+    if param.WhichOneof("parameter_choice") not in ("int64_param", "uint64_param"):
+        raise invalid("parameter 'layer' must be an integer")
+    layer = getattr(param, param.WhichOneof("parameter_choice"))
+    if not 0 <= layer < 2**32:
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"layer {layer} is not served here")
     forward = ForwardRequestView()
     forward.layer = layer
     raw = iter(request.raw_input_contents)

@@ -236,11 +236,10 @@ def infer_requests(draw):
         req.model_name == "moe"
         and req.model_version in ("", "1")
         and len(req.raw_input_contents) == len(req.inputs)
-        and (layer is None or layer.HasField("int64_param"))
+        and layer is not None  # no layer parameter: INVALID_ARGUMENT, never layer 0
+        and layer.HasField("int64_param")
         and all(t.dtype in OIP_TYPES for t in (getattr(fwd, n) for n in names))
     )
-    if meant and layer is None:
-        fwd.layer = 0
     return req, fwd if meant else None
 
 

@@ -82,3 +82,32 @@ def test_errors_keep_their_codes(report):
     assert "NOT_FOUND" in unknown_model["status"] and "unknown model" in unknown_model["message"]
     assert "NOT_FOUND" in unknown_layer["status"] and "layer 9" in unknown_layer["message"]
     assert "INVALID_ARGUMENT" in bad_ids["status"] and "topk_ids[0, 0] = 64" in bad_ids["message"]
+
+
+def test_missing_layer_is_refused_not_layer_zero(addresses):
+    """A request without the 'layer' parameter names the parameter; it never runs layer 0."""
+    import grpc
+
+    from expertd.v1 import inference_pb2 as oip
+    from expertd.v1 import inference_pb2_grpc as oip_grpc
+
+    gen = torch.Generator().manual_seed(1)
+    x = hidden(2, gen)
+    ids, w = routing(2, gen)
+    request = oip.ModelInferRequest(model_name="moe")
+    for name, t, dtype in (
+        ("hidden_states", x, "BF16"),
+        ("topk_ids", ids, "INT32"),
+        ("topk_weights", w, "FP32"),
+    ):
+        request.inputs.add(name=name, datatype=dtype, shape=list(t.shape))
+        request.raw_input_contents.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    with grpc.insecure_channel(addresses[0]) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(request, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'layer'" in e.value.details() and "required" in e.value.details()
+        request.parameters["layer"].int64_param = 1
+        answer = stub.ModelInfer(request, timeout=30)
+        assert list(answer.outputs[0].shape) == [2, x.shape[1]]
