@@ -31,7 +31,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd import nixl
-from expertd.client.shm import LeaseError, SlotPool
+from expertd.client.shm import LeaseError, SlotPool, fill_rows
 from expertd.client.stream import StreamCallError
 
 log = logging.getLogger("expertd.client")
@@ -129,21 +129,8 @@ class NixlSlot:
 
     def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
         """Write one call's rows and send them with the call (see shm.Slot.start)."""
-        m, k = ids.shape
-        lay = self.layout
-        if m > lay.max_tokens or (m and k > lay.top_k):
-            raise ValueError(
-                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
-            )
-        h = lay.hidden
-        if m:
-            dst = self.x[: m * h].reshape(m, h)
-            if tokens is None:
-                dst[:] = x_bits
-            else:
-                np.take(x_bits, tokens, axis=0, out=dst)
-            self.ids[: m * k] = ids.reshape(-1)
-            self.w[: m * k] = w.reshape(-1)
+        m = fill_rows(self, x_bits, tokens, ids, w)
+        k, lay, h = ids.shape[1], self.layout, self.layout.hidden
         self.rows = m
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         self._answer = None

@@ -52,6 +52,26 @@ class LeaseError(Exception):
     """The data plane could not be set up with a replica (not on this host, refused...)."""
 
 
+def fill_rows(slot, x_bits: np.ndarray, tokens, ids, w) -> int:
+    """Write one call's rows into a slot's regions (any slot transport: `layout`,
+    `x`, `ids`, `w` views) -> m. x_bits: uint16 [M, H] (the call's rows), tokens:
+    the rows of it to send (None: all, in order), ids/w: [m, k]."""
+    m, k = ids.shape
+    lay = slot.layout
+    if m > lay.max_tokens or (m and k > lay.top_k):
+        raise ValueError(f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}")
+    h = lay.hidden
+    if m:
+        dst = slot.x[: m * h].reshape(m, h)
+        if tokens is None:
+            dst[:] = x_bits
+        else:
+            np.take(x_bits, tokens, axis=0, out=dst)
+        slot.ids[: m * k] = ids.reshape(-1)
+        slot.w[: m * k] = w.reshape(-1)
+    return m
+
+
 class Slot:
     """One slot as this process maps it."""
 
@@ -92,21 +112,8 @@ class Slot:
     def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
         """Write one call's rows and header; ring. x_bits: uint16 [M, H] (the call's
         rows), tokens: the rows of it to send (None: all, in order), ids/w: [m, k]."""
-        m, k = ids.shape
-        lay = self.layout
-        if m > lay.max_tokens or (m and k > lay.top_k):
-            raise ValueError(
-                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
-            )
-        h = lay.hidden
-        if m:
-            dst = self.x[: m * h].reshape(m, h)
-            if tokens is None:
-                dst[:] = x_bits
-            else:
-                np.take(x_bits, tokens, axis=0, out=dst)
-            self.ids[: m * k] = ids.reshape(-1)
-            self.w[: m * k] = w.reshape(-1)
+        m = fill_rows(self, x_bits, tokens, ids, w)
+        k = ids.shape[1]
         ctl = self.ctl
         ctl.layer = layer
         ctl.m = m

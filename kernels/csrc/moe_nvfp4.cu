@@ -1818,7 +1818,7 @@ struct V8Config {
 // Measured and not compiled: 256 weight rows per token tile at BT 32 / 48; KG 2 / ST 4 with 3
 // blocks per SM at BT 32 (2-5% slower at M = 128-512); KG 1 / ST 5-6 with 3-4 blocks per SM at BT
 // 32 and 48 (5-23% slower at M = 128-1024: with 16 warps per SM the tensor pipe is 42-52% and
-// issue 43-55% busy at M = 1024, more warps do not help); BT 96 with KG 1 / ST 5 (1.06 at M =
+// 43-55% of the issue slots busy at M = 1024, more warps do not help); BT 96 with KG 1 / ST 5 (1.06 at M =
 // 2048); v6 at BT 16-64 and at BT 24 (v8 is faster wherever those tile sizes are picked).
 using V8Bt16 = V8Config<16, V8Gemm<2, 1, 2, 5, 2>, V8Gemm<2, 1, 2, 5, 2>, 2>;
 using V8Bt32 = V8Config<32, V8Gemm<2, 1, 2, 4, 3>, V8Gemm<2, 1, 2, 4, 3>, 2>;
