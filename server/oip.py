@@ -226,7 +226,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             total = time.perf_counter_ns() - started
             if succeeded:
                 self.stats.succeeded(total, read - started, answer.timing)
-            else:  # refused, or a fault (then grpc answers UNKNOWN)
+            else:  # refused, or a fault (answered INTERNAL by the request guard)
                 self.stats.failed(total)
         self.experts._count("ModelInfer", grpc.StatusCode.OK)
         return response
