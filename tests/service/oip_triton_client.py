@@ -113,6 +113,8 @@ def main(address: str, cases_path: str, out_path: str) -> None:
             "also_raw": typed_infer(stub, x, ids32, w, layer, {"topk_ids"}, "also_raw"),
         }
     report["stats_after"] = stats_of(client)
+    every = client.get_inference_statistics(as_json=True)["model_stats"]  # no name: all models
+    report["stats_every_model"] = [(m["name"], m["version"]) for m in every]
     report["model_ready_after"] = client.is_model_ready("moe")
     client.close()
     with open(out_path, "w") as f:

@@ -139,6 +139,7 @@ def test_statistics_count_what_the_client_did(report):
     )
     assert parts <= ns(after, "success") - ns(before, "success")  # parts of the whole
     assert int(after["last_inference"]) > 0
+    assert r["stats_every_model"] == [["moe", "1"]]
 
 
 def test_typed_contents_are_accepted_exactly(report):
