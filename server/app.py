@@ -1,4 +1,5 @@
-"""Assembling and running a shard server: our service, grpc.health.v1, reflection.
+"""Assembling and running a shard server: our service, the Open Inference Protocol,
+grpc.health.v1, reflection (v1 and v1alpha).
 
 The server binds first (port 0 allowed) and answers health NOT_SERVING while it
 loads; it reports SERVING once every layer is resident, and NOT_SERVING again
@@ -22,10 +23,10 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
+from expertd.server import reflection
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
@@ -65,7 +66,7 @@ class RunningServer:
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, OIP_SERVICE_NAME):
             await self.health.set(name, status)
 
     async def attach(self, bank: ExpertBank, runner: BatchRunner) -> None:
@@ -211,9 +212,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection.enable((SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME), server)
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     if credentials is None:
         port = server.add_insecure_port(config.listen)
