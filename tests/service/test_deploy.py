@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from expertd.cli import build_parser
+from expertd.cli import build_parser, env_variables
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -144,7 +144,7 @@ def parse_serve(monkeypatch, env: dict[str, str], argv: list[str]):
 
 def known_variables() -> set[str]:
     """Every EXPERTD_* name the package reads, found in its sources."""
-    names = set(COMING)
+    names = set(COMING) | {n.removeprefix("EXPERTD_") for n in env_variables()}
     for path in [*REPO.glob("expertd/*.py"), *REPO.glob("server/*.py"), *REPO.glob("kernels/*.py")]:
         text = path.read_text()
         names |= set(re.findall(r"_env\(\s*\"([A-Z_]+)\"", text))
