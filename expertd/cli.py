@@ -115,6 +115,20 @@ def _int_list(text: str) -> str:
     return text
 
 
+def _experts(text: str) -> str:
+    """An expert list such as 0-27,200,201 (kept as text: serve parses it)."""
+    from expertd.server.config import parse_expert_list  # light: no torch
+
+    try:
+        parse_expert_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+_experts.__name__ = "expert list"
+
+
 # ---- the parser --------------------------------------------------------------------------
 
 
@@ -199,6 +213,7 @@ def _serve_parser(sub) -> None:
     o(
         "--experts",
         env="EXPERTS",
+        type=_experts,
         help="explicit list, e.g. 0-27,200,201",
         shown="an even split by --shard",
         group=own,

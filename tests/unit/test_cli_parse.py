@@ -63,6 +63,7 @@ def test_environment_is_read_when_parsing_and_the_flag_wins(monkeypatch):
         (["serve", "--grace", "-1"], "--grace"),
         (["serve", "--grace", "nan"], "--grace"),
         (["serve", "--device", "gpu"], "--device"),
+        (["serve", "--experts", "5-2"], "bad expert range"),
         (["serve", "--synthetic", "huge"], "--synthetic"),
         (["demo", "--shards", "0"], "--shards"),
         (["demo", "--batch-sizes", "1,x"], "--batch-sizes"),
