@@ -260,7 +260,14 @@ def _serve_parser(sub) -> None:
         shown="4 on a GPU, torch's own on CPU",
         group=run,
     )
-    o("--log-level", env="LOG_LEVEL", type=_log_level, default="INFO", help="", group=run)
+    o(
+        "--log-level",
+        env="LOG_LEVEL",
+        type=_log_level,
+        default="INFO",
+        help="DEBUG|INFO|WARNING|ERROR",
+        group=run,
+    )
     o(
         "--log-format",
         env="LOG_FORMAT",
@@ -688,7 +695,13 @@ def _cluster_parser(sub) -> None:
     o = p.option
     src = p.add_argument_group("weights (one of)")
     o("--checkpoint", help="NVFP4 safetensors dir", group=src)
-    o("--synthetic", metavar="PRESET", choices=("small", "muse-spark"), help="", group=src)
+    o(
+        "--synthetic",
+        metavar="PRESET",
+        choices=("small", "muse-spark"),
+        help="small | muse-spark",
+        group=src,
+    )
     o("--layers", type=_int(1), help="layers to serve", shown="all", group=src)
     o("--seed", type=_int(0), default=0, help="synthetic weights' seed", group=src)
     o("--shards", type=_int(1), default=8, help="number of shard servers")
