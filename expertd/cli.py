@@ -159,6 +159,17 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
+        self._apply_fallbacks(namespace)
+        # The chosen command's parser too: whether argparse calls its parse_known_args
+        # differs between Python versions (values already set are left alone).
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
+                if isinstance(chosen, Parser):
+                    chosen._apply_fallbacks(namespace)
+        return namespace, rest
+
+    def _apply_fallbacks(self, namespace) -> None:
         for dest, env, convert, default, choices in self._fallbacks:
             if getattr(namespace, dest, _UNSET) is not _UNSET:
                 continue
@@ -172,7 +183,6 @@ class Parser(argparse.ArgumentParser):
                 except (argparse.ArgumentTypeError, ValueError) as e:
                     self.error(f"{env}={raw!r}: {e}")
             setattr(namespace, dest, value)
-        return namespace, rest
 
     def parse_args(self, args=None, namespace=None):
         namespace, rest = self.parse_known_args(args, namespace)
