@@ -53,7 +53,28 @@ def _serve_parser(sub) -> None:
     run.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     run.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
     run.add_argument(
-        "--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="Prometheus port"
+        "--metrics-port",
+        type=int,
+        default=_env("METRICS_PORT", None, int),
+        help="Prometheus /metrics on this port of the serving host (default: off)",
+    )
+    run.add_argument(
+        "--metrics-listen",
+        default=_env("METRICS_LISTEN"),
+        metavar="HOST:PORT|off",
+        help="serve /metrics here instead (off: no metrics endpoint, whatever the port says)",
+    )
+    run.add_argument(
+        "--metrics-created",
+        action="store_true",
+        default=_env("METRICS_CREATED", False, lambda v: v.lower() in ("1", "true", "yes")),
+        help="also serve the *_created series of counters and histograms",
+    )
+    run.add_argument(
+        "--trace",
+        default=_env("TRACE"),
+        metavar="off|on|console|otlp|jsonl:PATH",
+        help="OpenTelemetry spans (needs expertd[otel]; default: off)",
     )
     run.add_argument(
         "--health-listen",
@@ -231,6 +252,9 @@ def cmd_serve(args) -> int:
         tls_client_ca=args.tls_client_ca,
         allow_client_shm=args.allow_client_shm,
         metrics_port=args.metrics_port,
+        metrics_listen=args.metrics_listen,
+        metrics_created=args.metrics_created,
+        trace=args.trace,
         health_listen=args.health_listen,
     )
 
