@@ -133,6 +133,7 @@ class AsyncExpertClient:
         self._metadata = metadata_tuples(metadata)
         self._token = token
         self.telemetry = Telemetry(metrics)
+        tracing.configure_from_env()  # EXPERTD_TRACE: spans of this process's calls
         # A stream's metadata is fixed when it opens: the client's own and its token.
         self._stream_md = tuple(
             kv for kv in call_metadata(self._metadata, token, "-", None) if kv[0] != "x-request-id"

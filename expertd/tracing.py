@@ -60,7 +60,8 @@ def configure(spec: str | None = None, *, provider=None) -> bool:
     """Turn tracing on or off -> whether it is on. `spec`: see the module's doc
     (None: the EXPERTD_TRACE variable); `provider`: an OpenTelemetry
     TracerProvider to use (tests, applications with their own)."""
-    global _tracer, _provider
+    global _tracer, _provider, _env_read
+    _env_read = True
     spec = (os.environ.get(ENV, "") if spec is None else spec).strip()
     with _lock:
         _shutdown_locked()
@@ -231,3 +232,17 @@ def end(span, error: BaseException | None = None) -> None:
 
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
     span.end()
+
+
+_env_read = False
+
+
+def configure_from_env() -> None:
+    """Turn tracing on as EXPERTD_TRACE says, once per process, unless `configure`
+    was called already (a client calls this when it is made)."""
+    global _env_read
+    if _env_read:
+        return
+    _env_read = True
+    if _tracer is None and os.environ.get(ENV, "").strip():
+        configure()
