@@ -355,8 +355,13 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if tracing.configure(config.trace):
-        log.info("tracing on (%s)", config.trace or os.environ.get(tracing.ENV))
+    try:
+        metrics_address(config)  # a bad address or tracing spec: say so, exit 2
+        if tracing.configure(config.trace):
+            log.info("tracing on (%s)", config.trace or os.environ.get(tracing.ENV))
+    except (ValueError, RuntimeError) as e:
+        log.error("%s", e)
+        return 2
     try:
         return await _serve(config, stop, on_listening)
     finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -220,3 +222,21 @@ def test_tracing_off_makes_no_spans(one_shard, memory_tracing):
     tracing.configure("off")
     _call(one_shard.address, calls=1, transport="grpc").close()
     assert memory_tracing.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--metrics-listen", "9400"], "HOST:PORT or off"),
+        (["--trace", "zipkin"], "off, on, console, otlp or jsonl:PATH"),
+    ],
+)
+def test_bad_observability_flags_exit_2_naming_the_problem(flags, words):
+    done = subprocess.run(
+        [sys.executable, "-m", "expertd", "serve", "--synthetic", "small", "--layers", "1", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert words in done.stderr
