@@ -290,7 +290,29 @@ def _serve_parser(sub) -> None:
         "--metrics-port",
         env="METRICS_PORT",
         type=_PORT,
-        help="Prometheus port (0: any free port)",
+        help="Prometheus /metrics on this port of the serving host (0: any free port)",
+        group=run,
+    )
+    o(
+        "--metrics-listen",
+        env="METRICS_LISTEN",
+        metavar="HOST:PORT|off",
+        help="serve /metrics here instead (off: no endpoint, whatever the port says)",
+        group=run,
+    )
+    o(
+        "--metrics-created",
+        env="METRICS_CREATED",
+        action="store_true",
+        default=False,
+        help="also serve the *_created series of counters and histograms",
+        group=run,
+    )
+    o(
+        "--trace",
+        env="TRACE",
+        metavar="off|on|console|otlp|jsonl:PATH",
+        help="OpenTelemetry spans (needs expertd[otel])",
         group=run,
     )
     o(
@@ -497,6 +519,9 @@ def cmd_serve(args) -> int:
         tls_client_ca=args.tls_client_ca,
         allow_client_shm=args.allow_client_shm,
         metrics_port=args.metrics_port,
+        metrics_listen=args.metrics_listen,
+        metrics_created=args.metrics_created,
+        trace=args.trace,
         health_listen=args.health_listen,
     )
 

@@ -40,6 +40,7 @@ _REQUEST_FIELDS = (
     "topk_ids",
     "topk_weights",
     "trace_id",
+    "traceparent",
 )
 
 
@@ -65,6 +66,7 @@ class ForwardRequestView:
         self.trace_id = ""
         self.instance_id = ""
         self.timeout_us = 0
+        self.traceparent = ""
         self.hidden_states = self.topk_ids = self.topk_weights = None
 
     def HasField(self, name: str) -> bool:  # protobuf's name, so both kinds read alike
@@ -340,6 +342,8 @@ def parse_forward_request(data: bytes) -> ForwardRequestView:
             req.instance_id = _text(value)
         elif number == 8 and wire == 0:
             req.timeout_us = value
+        elif number == 9 and wire == 2:
+            req.traceparent = _text(value)
     return req
 
 
@@ -440,6 +444,7 @@ class ForwardRequestOut:
         self.trace_id = ""
         self.instance_id = ""
         self.timeout_us = 0
+        self.traceparent = ""
 
 
 def _tensor_parts(number: int, dtype: int, shape, payload) -> list:
@@ -481,5 +486,6 @@ def serialize_forward_request(request) -> bytes:
         _string(6, request.trace_id),
         _string(7, request.instance_id),
         _scalar(8, request.timeout_us),
+        _string(9, request.traceparent),
     ]
     return b"".join(parts)
