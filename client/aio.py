@@ -40,6 +40,7 @@ from expertd.client.core import (
     stage_inputs,
     to_caller,
 )
+from expertd.client.devsum import DeviceSum
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
 from expertd.client.routing import (
@@ -471,7 +472,8 @@ class AsyncExpertClient:
         return to_caller(await self.execute(layer, inputs, deadline, md), inputs)
 
     async def execute(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
-        """Route, fan out, sum -> bf16 [M, H] on the host."""
+        """Route, fan out, sum -> bf16 [M, H] on the host (on the caller's GPU for a CUDA
+        caller: client/devsum.py)."""
         topo = self.topology
         parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
         if lost and await self._probe_owners(topo, layer, lost, deadline):
@@ -480,12 +482,27 @@ class AsyncExpertClient:
         if lost:
             raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
         held: list = []  # slots whose output regions the pieces view, until summed
+        # A CUDA caller's answers go to its GPU as they arrive and are summed there.
+        sums = None
+        if inputs.device.type == "cuda":
+            rows = sum(p.tokens.numel() for p in parts)
+            sums = DeviceSum(inputs.x.shape[0], topo.hidden_size, inputs.device, rows)
+
+        async def send(part: ShardPart) -> list[Piece]:
+            pieces = await self._send(topo, layer, inputs, part, deadline, md, held=held)
+            if sums is not None:
+                for piece in pieces:
+                    sums.stage(piece)
+            return pieces
+
         try:
-            pieces = await _all(
-                self._send(topo, layer, inputs, p, deadline, md, held=held) for p in parts
-            )
-            return combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+            pieces = [p for ps in await _all(send(p) for p in parts) for p in ps]
+            if sums is not None:
+                return sums.finish(pieces)
+            return combine(inputs, topo.hidden_size, pieces)
         finally:
+            if sums is not None:
+                sums.close()
             for slot in held:
                 slot.release()
 
