@@ -89,7 +89,8 @@ class DeviceSum:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.stream = _stream(self.device)
-        self._host = _POOL.take(rows * (2 * hidden_size + 8) + 2 * _ALIGN, self.pin)
+        # room for the rows, and for the alignment of up to 64 answers
+        self._host = _POOL.take(rows * (2 * hidden_size + 8) + 128 * _ALIGN, self.pin)
         self._extra: list[torch.Tensor] = []  # pinned buffers of answers that did not fit
         self._used = 0
         self._staged: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}

@@ -463,9 +463,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-_HEADS: dict[
-    tuple, bytes
-] = {}  # (field, dtype, shape, data bytes) -> the field's bytes before the data
+# (field, dtype, shape, data bytes) -> the Tensor field's bytes before its data
+_HEADS: dict[tuple, bytes] = {}
 
 
 def _tensor_head(number: int, dtype: int, shape: tuple, nbytes: int) -> bytes:
@@ -536,7 +535,7 @@ def serialize_forward_request(request) -> bytes:
         return request.SerializeToString()
     parts = [_scalar(1, request.layer)]  # bytes, and numpy arrays for the data
     rows = request._rows
-    picked = None  # (index in parts, rows of x) where the rows are gathered in place
+    picked = None  # (index in parts, x as numpy) when x's rows are picked
     for number, t in ((2, request._x), (3, request.topk_ids), (4, request.topk_weights)):
         arr = _array(t)
         shape = arr.shape
@@ -559,6 +558,8 @@ def serialize_forward_request(request) -> bytes:
     if picked is None:
         return b"".join(parts)
     at, x = picked
+    if rows.min() < 0 or rows.max() >= x.shape[0]:  # never a silent wrong row below
+        raise ValueError(f"rows to send must be in [0, {x.shape[0]})")
     size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts if p is not None)
     row_bytes = math.prod(x.shape[1:]) * x.itemsize
     size += rows.size * row_bytes

@@ -219,3 +219,6 @@ def test_request_writer_gathers_picked_rows_into_protobufs_bytes(
     assert torch.equal(out.hidden_states.view(torch.int16), sent.view(torch.int16))
     assert torch.equal(x.view(torch.int16), before.view(torch.int16))
     assert [codec._put_varint(i) for i in range(0x80)] == [bytes((i,)) for i in range(0x80)]
+    if picked:
+        with pytest.raises(ValueError, match="rows to send"):
+            serialize_forward_request(ForwardRequestOut(3, x, ids, w, rows=rows + m))
