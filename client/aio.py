@@ -41,6 +41,7 @@ from expertd.client.core import (
     stage_inputs,
     to_caller,
 )
+from expertd.client.devsum import DeviceSum
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
 from expertd.client.routing import (
@@ -497,7 +498,8 @@ class AsyncExpertClient:
     async def execute(
         self, layer: int, inputs: Inputs, deadline: float, md, parent=None
     ) -> torch.Tensor:
-        """Route, fan out, sum -> bf16 [M, H] on the host. parent: the caller's
+        """Route, fan out, sum -> bf16 [M, H] on the host (on the caller's GPU for a CUDA
+        caller: client/devsum.py). parent: the caller's
         OpenTelemetry Context when tracing (default: this task's current span)."""
         t0 = time.perf_counter_ns()
         if not tracing.active():
@@ -530,27 +532,43 @@ class AsyncExpertClient:
         if lost:
             raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
         held: list = []  # slots whose output regions the pieces view, until summed
+        # A CUDA caller's answers go to its GPU as they arrive and are summed there.
+        sums = None
+        if inputs.device.type == "cuda":
+            rows = sum(p.tokens.numel() for p in parts)
+            sums = DeviceSum(inputs.x.shape[0], topo.hidden_size, inputs.device, rows)
+
+        async def send(part: ShardPart) -> list[Piece]:
+            pieces = await self._send(topo, layer, inputs, part, deadline, md, held=held)
+            if sums is not None:
+                for piece in pieces:
+                    sums.stage(piece)
+            return pieces
+
         fanout = None
         if tracing.active():  # the shards' calls (their tasks) are its children
             fanout = tracing.start("expertd.client.fanout", {"expertd.shards": len(parts)})
             token = tracing.attach(fanout)
         try:
             try:
-                pieces = await _all(
-                    self._send(topo, layer, inputs, p, deadline, md, held=held) for p in parts
-                )
+                pieces = [p for ps in await _all(send(p) for p in parts) for p in ps]
             finally:
                 if fanout is not None:
                     tracing.detach(token)
                     fanout.end()
             t0 = time.perf_counter_ns()
-            out = combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+            if sums is not None:
+                out = sums.finish(pieces)
+            else:
+                out = combine(inputs, topo.hidden_size, pieces)
             t1 = time.perf_counter_ns()
             self.telemetry.add("sum", t1 - t0)
             if fanout is not None:
                 tracing.record("expertd.client.sum", t0, t1)
             return out
         finally:
+            if sums is not None:
+                sums.close()
             for slot in held:
                 slot.release()
 

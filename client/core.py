@@ -106,14 +106,13 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
 
 
 def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> ForwardRequestOut:
-    """This shard's request; its tensors reach the wire in one copy (expertd/codec.py).
-    The rows are gathered in numpy: torch's indexing opens an OpenMP region."""
+    """This shard's request; its tensors reach the wire in one copy (expertd/codec.py):
+    its rows are gathered (numpy: torch's indexing opens an OpenMP region) straight
+    into the request's bytes."""
     if part.tokens.numel() == inputs.x.shape[0]:  # distinct rows, all of them: in order
-        x = inputs.x
-    else:
-        rows = bf16_bits(inputs.x)[part.tokens.numpy()]
-        x = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
-    return ForwardRequestOut(layer, x, part.topk_ids, part.topk_weights)
+        return ForwardRequestOut(layer, inputs.x, part.topk_ids, part.topk_weights)
+    rows = part.tokens.numpy()
+    return ForwardRequestOut(layer, inputs.x, part.topk_ids, part.topk_weights, rows=rows)
 
 
 @dataclass(frozen=True, slots=True)

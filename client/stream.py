@@ -50,6 +50,16 @@ class StreamCallError(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+class _Expired(Exception):
+    """A call's answer did not come within its timeout."""
+
+
+def _expire(answer: asyncio.Future) -> None:
+    if not answer.done():
+        answer.set_exception(_Expired())
+        answer.exception()  # its waiter may be gone (cancelled): no "never retrieved" log
+
+
 class _Conn:
     """One open ForwardStream call: its writer and reader tasks, the requests
     waiting to be written, and the calls waiting for an answer."""
@@ -81,19 +91,23 @@ class ForwardStream:
         """Send `request` (its request_id is overwritten) and wait for its answer."""
         request.request_id = rid = next(self._ids)
         deadline = time.monotonic() + timeout
-        answer = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         conn = self._conn if self._conn is not None else self._open()
         conn.pending[rid] = answer
         conn.outbox.append((request, answer, deadline))
         conn.wake.set()
+        # The deadline ends the answer itself (a timer, not wait_for's extra task and
+        # futures): a request not written yet is then skipped by the writer, and one
+        # whose call is cancelled (a sibling shard failed) too.
+        timer = loop.call_later(timeout, _expire, answer)
         try:
-            reply = await asyncio.wait_for(asyncio.shield(answer), timeout)
-        except TimeoutError:
-            if not answer.done():
-                answer.cancel()  # not written yet: the writer skips it
+            reply = await answer
+        except _Expired:
             self._check_stalled(conn, timeout)
             raise StreamCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
         finally:
+            timer.cancel()
             conn.pending.pop(rid, None)
             if conn in self._retired and not conn.pending:
                 self._end(conn, grpc.StatusCode.CANCELLED, "retired stream drained")

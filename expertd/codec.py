@@ -22,6 +22,10 @@ it reads (server/malformed.py).
 
 from __future__ import annotations
 
+import ctypes
+import math
+
+import numpy as np
 import torch
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
@@ -396,7 +400,12 @@ def parse_forward_response(data: bytes) -> ForwardResponseView:
     return resp
 
 
+_VARINTS = [bytes((i,)) for i in range(0x80)]  # the one-byte varints, made once
+
+
 def _put_varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _VARINTS[value]
     out = bytearray()
     value &= 0xFFFFFFFFFFFFFFFF
     while value >= 0x80:
@@ -431,13 +440,19 @@ def serialize_forward_response(response) -> bytes:
 class ForwardRequestOut:
     """A ForwardRequest to send, its tensors kept as tensors until the wire: the
     serializer copies each once, from the tensor into the request bytes (protobuf
-    would copy to bytes, into its field, then into its serialization)."""
+    would copy to bytes, into its field, then into its serialization).
 
-    __slots__ = _REQUEST_FIELDS
+    `rows` (int64 indices, numpy or torch), when given, picks the rows of
+    `hidden_states` to send: the serializer gathers them straight into the request
+    bytes, so a shard's share of the call's rows is copied once, not gathered into a
+    tensor first and copied again. Reading `.hidden_states` gathers them."""
 
-    def __init__(self, layer: int, hidden_states, topk_ids, topk_weights) -> None:
+    __slots__ = (*(f for f in _REQUEST_FIELDS if f != "hidden_states"), "_rows", "_x")
+
+    def __init__(self, layer: int, hidden_states, topk_ids, topk_weights, rows=None) -> None:
         self.layer = layer
-        self.hidden_states = hidden_states  # CPU tensors, contiguous
+        self._x = hidden_states  # CPU tensors
+        self._rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         self.topk_ids = topk_ids
         self.topk_weights = topk_weights
         self.request_id = 0
@@ -446,23 +461,53 @@ class ForwardRequestOut:
         self.timeout_us = 0
         self.traceparent = ""
 
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """The rows sent, as a tensor (gathered, in numpy, when `rows` picks them)."""
+        if self._rows is None:
+            return self._x
+        picked = _array(self._x)[self._rows]
+        return torch.from_numpy(picked).view(self._x.dtype)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as a C-contiguous numpy array over its memory (bf16 as
+    int16: numpy has no bf16); copied only where the tensor is not contiguous."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+# (field, dtype, shape, data bytes) -> the Tensor field's bytes before its data
+_HEADS: dict[tuple, bytes] = {}
+
+
+def _tensor_head(number: int, dtype: int, shape: tuple, nbytes: int) -> bytes:
+    """Field `number` holding a Tensor message of `nbytes` data bytes: everything
+    before the data (the field's key and length, dtype, packed shape, data's key and
+    length). Kept per (field, dtype, shape, nbytes): calls of one size repeat it."""
+    key = (number, dtype, shape, nbytes)
+    head = _HEADS.get(key)
+    if head is None:
+        packed = b"".join(_put_varint(d) for d in shape)
+        inner = _scalar(1, dtype)
+        if packed:
+            inner += _len_field(2, len(packed)) + packed
+        if nbytes:
+            inner += _len_field(3, nbytes)
+        head = _len_field(number, len(inner) + nbytes) + inner
+        if len(_HEADS) >= 4096:  # bounded: a client sees a few sizes per M
+            _HEADS.clear()
+        _HEADS[key] = head
+    return head
+
 
 def _tensor_parts(number: int, dtype: int, shape, payload) -> list:
-    """Field `number` holding a Tensor message: header pieces, then `payload` (any
+    """Field `number` holding a Tensor message: its header, then `payload` (any
     buffer) as its data, left for the final join to copy once."""
     payload = memoryview(payload)
     payload = payload.cast("B") if payload.nbytes else b""
-    packed = b"".join(_put_varint(d) for d in shape)
-    head = _scalar(1, dtype)
-    if packed:
-        head += _len_field(2, len(packed)) + packed
-    data_head = _len_field(3, len(payload)) if len(payload) else b""
-    return [_len_field(number, len(head) + len(data_head) + len(payload)), head, data_head, payload]
-
-
-def _host_bytes(t: torch.Tensor):
-    """A contiguous CPU tensor's bytes, viewed (no copy)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy()
+    return [_tensor_head(number, dtype, tuple(shape), len(payload)), payload]
 
 
 def _scalar(number: int, value: int) -> bytes:
@@ -474,13 +519,51 @@ def _string(number: int, value: str) -> bytes:
     return _len_field(number, len(raw)) + raw if raw else b""
 
 
+# Requests at least this large whose rows are picked are written into a fresh bytes
+# object in place (the rows gathered straight into it); smaller ones are joined (the
+# join's second copy of a few KiB costs less than writing in place does).
+IN_PLACE_MIN = 1 << 16
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
+
+def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
+    """A new bytes object of n >= 2 uninitialized bytes and a writable view of them.
+
+    The C API's way of building a bytes object in place (PyBytes_FromStringAndSize
+    with no source): it is ours alone until we return it, so writing it before
+    anyone else sees it is sound. Drop the view before handing the bytes on."""
+    data = _new_bytes(None, n)
+    view = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(_bytes_data(data)))
+    return data, view
+
+
 def serialize_forward_request(request) -> bytes:
-    """Request serializer: ForwardRequestOut written here, messages by protobuf."""
+    """Request serializer: ForwardRequestOut written here, messages by protobuf.
+    Byte for byte what protobuf writes for the same message."""
     if not isinstance(request, ForwardRequestOut):
         return request.SerializeToString()
-    parts = [_scalar(1, request.layer)]
-    for number, t in ((2, request.hidden_states), (3, request.topk_ids), (4, request.topk_weights)):
-        parts += _tensor_parts(number, WIRE_DTYPE[t.dtype], t.shape, _host_bytes(t))
+    parts = [_scalar(1, request.layer)]  # bytes, and numpy arrays for the data
+    rows = request._rows
+    picked = None  # (index in parts, x as numpy) when x's rows are picked
+    for number, t in ((2, request._x), (3, request.topk_ids), (4, request.topk_weights)):
+        arr = _array(t)
+        shape = arr.shape
+        if number == 2 and rows is not None:
+            shape = (rows.size, *shape[1:])
+        nbytes = math.prod(shape) * arr.itemsize
+        parts.append(_tensor_head(number, WIRE_DTYPE[t.dtype], shape, nbytes))
+        if not nbytes:
+            continue
+        if number == 2 and rows is not None:
+            picked = (len(parts), arr)
+            arr = None
+        parts.append(arr)
     parts += [
         _scalar(5, request.request_id),
         _string(6, request.trace_id),
@@ -488,4 +571,32 @@ def serialize_forward_request(request) -> bytes:
         _scalar(8, request.timeout_us),
         _string(9, request.traceparent),
     ]
-    return b"".join(parts)
+    if picked is None:
+        return b"".join(parts)
+    at, x = picked
+    if rows.min() < 0 or rows.max() >= x.shape[0]:  # never a silent wrong row below
+        raise ValueError(f"rows to send must be in [0, {x.shape[0]})")
+    size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts if p is not None)
+    row_bytes = math.prod(x.shape[1:]) * x.itemsize
+    size += rows.size * row_bytes
+    if size < IN_PLACE_MIN:
+        parts[at] = x[rows]
+        return b"".join(parts)
+    data, out = _fresh_bytes(size)
+    pos = 0
+    for i, p in enumerate(parts):
+        if i == at:  # the picked rows, gathered straight into the message
+            n = rows.size * row_bytes
+            dest = out[pos : pos + n].view(x.dtype).reshape(rows.size, *x.shape[1:])
+            np.take(x, rows, axis=0, out=dest, mode="clip")  # (valid rows; clip: unbuffered)
+        else:
+            n = len(p) if isinstance(p, bytes) else p.nbytes
+            if n:
+                out[pos : pos + n] = (
+                    np.frombuffer(p, np.uint8)
+                    if isinstance(p, bytes)
+                    else p.reshape(-1).view(np.uint8)
+                )
+        pos += n
+    del out
+    return data

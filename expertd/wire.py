@@ -69,6 +69,21 @@ def decode(msg: pb.Tensor, name: str, max_elements: int = 2**40) -> torch.Tensor
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # bytes are immutable; we never write through the view
+    if torch.is_warn_always_enabled():  # then torch warns on every read-only view
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def _quiet_read_only_views() -> None:
+    """torch warns once per process (TORCH_WARN_ONCE) when it views read-only bytes,
+    as `decode` does (bytes are immutable; we never write through the view). Have
+    that one warning here, silenced: silencing each call instead (catch_warnings)
+    costs more than the view itself, three times per request."""
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=dtype).view(shape)
+        torch.frombuffer(b"\0\0", dtype=torch.uint8)
+
+
+_quiet_read_only_views()

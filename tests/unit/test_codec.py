@@ -3,12 +3,14 @@ protobuf writes, and refuses what protobuf refuses."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertd import wire
+from expertd import codec, wire
 from expertd.codec import (
     ForwardRequestOut,
     encode_forward_response,
@@ -179,3 +181,44 @@ def test_request_writer_is_protobufs_bytes(layer, m, k, request_id, trace, insta
         timeout_us=timeout,
     )
     assert serialize_forward_request(out) == msg.SerializeToString()
+
+
+@pytest.mark.parametrize("in_place_min", [1 << 16, 0])  # joined, and written in place
+@pytest.mark.parametrize(
+    "m,picked,h",
+    [(6, [0, 2, 5], 16), (6, [], 16), (3, [0, 1, 2], 8), (900, list(range(1, 900, 2)), 512)],
+)
+def test_request_writer_gathers_picked_rows_into_protobufs_bytes(
+    monkeypatch, in_place_min, m, picked, h
+):
+    """A shard's share of the call's rows, gathered straight into the request bytes,
+    gives protobuf's bytes for the message holding those rows; the caller's tensors
+    and the varints shared between messages stay as they were."""
+    monkeypatch.setattr(codec, "IN_PLACE_MIN", in_place_min)
+    gen = torch.Generator().manual_seed(m + len(picked))
+    x = torch.randn((m, h), generator=gen).to(torch.bfloat16)
+    before = x.clone()
+    rows = np.array(picked, dtype=np.int64)
+    ids = torch.randint(-1, 9, (len(picked), 8), generator=gen, dtype=torch.int32)
+    w = torch.rand((len(picked), 8), generator=gen)
+    out = ForwardRequestOut(3, x, ids, w, rows=rows)
+    out.request_id, out.trace_id, out.timeout_us = 77, "trace", 1_000_000
+    sent = x[torch.from_numpy(rows)] if picked else x[:0]
+    msg = pb.ForwardRequest(
+        layer=3,
+        hidden_states=wire.encode(sent),
+        topk_ids=wire.encode(ids),
+        topk_weights=wire.encode(w),
+        request_id=77,
+        trace_id="trace",
+        timeout_us=1_000_000,
+    )
+    want = msg.SerializeToString()
+    for _ in range(2):  # the second time from the cached headers
+        assert serialize_forward_request(out) == want
+    assert torch.equal(out.hidden_states.view(torch.int16), sent.view(torch.int16))
+    assert torch.equal(x.view(torch.int16), before.view(torch.int16))
+    assert [codec._put_varint(i) for i in range(0x80)] == [bytes((i,)) for i in range(0x80)]
+    if picked:
+        with pytest.raises(ValueError, match="rows to send"):
+            serialize_forward_request(ForwardRequestOut(3, x, ids, w, rows=rows + m))
