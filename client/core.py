@@ -199,18 +199,25 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
 SMALL_SUM_ELEMENTS = 8192
 
 
+def _zero_plus() -> np.ndarray:
+    """uint16 [65536]: the bf16 bits of 0.0f + x for each bf16 x, rounded back to bf16 as
+    torch rounds: x itself, but +0 for -0 and 0x7FC0 for every NaN."""
+    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    table[0x8000] = 0
+    table[(table & 0x7FFF) > 0x7F80] = 0x7FC0
+    return table
+
+
+_ZERO_PLUS = _zero_plus()
+
+
 def _sum_small(out_bits: np.ndarray, answers: list) -> None:
     """The sum for a small call: float32 zeros plus each answer in shard order (index_add_'s
     additions, so 0 + -0 = +0 as there), then rounded to bf16 as torch rounds: to nearest
     even, NaN as 0x7FC0."""
     m, h = out_bits.shape
     if len(answers) == 1 and answers[0][0].size == m:  # one answer with every row (M = 1,
-        bits = answers[0][1]  # one shard): 0 + x is x in bf16 too, but for -0 and NaN
-        np.copyto(out_bits, bits)
-        out_bits[bits == 0x8000] = 0
-        nan = (bits & 0x7FFF) > 0x7F80
-        if nan.any():
-            out_bits[nan] = 0x7FC0
+        np.take(_ZERO_PLUS, answers[0][1], out=out_bits)  # one shard): one table look-up
         return
     if all(rows.size == m for rows, _ in answers):  # every answer holds every row
         staged = np.stack([bits for _, bits in answers]).astype(np.uint32)
