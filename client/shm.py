@@ -45,7 +45,7 @@ SPIN_S = 30e-6
 # A slot whose answers take longer than SLEEP_FIRST_S (a CPU shard, a large call) is not
 # spun on right after the ring: the shard's waiter is woken on this CPU as often as not,
 # and a spinning caller keeps it from running there (measured on the 2-core machine: the
-# shard saw the doorbell ~45 us later when the caller spun). The caller sleeps instead
+# shard saw the doorbell 30 - 65 us later when the caller spun). The caller sleeps instead
 # until SPIN_EARLY_S before the answer is due (the slot's recent answer time), then spins
 # for it, at most SPIN_EARLY_S + SPIN_S, then sleeps again until it comes.
 SLEEP_FIRST_S = 150e-6
