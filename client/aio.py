@@ -45,14 +45,13 @@ from expertd.client.devsum import DeviceSum
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
 from expertd.client.routing import (
+    RouteTable,
     ShardPart,
     Topology,
-    assign_owners,
     describe_problem,
-    missing_experts,
-    split_routes,
 )
 from expertd.client.shm import MAX_SLOTS, SLOTS_PER_LEASE, LeaseError, ShmChannel
+from expertd.client.shm import Slot as ShmSlot
 from expertd.client.stream import ForwardStream, StreamCallError
 from expertd.client.telemetry import Telemetry, transfer_attributes
 from expertd.v1 import expertd_pb2 as pb
@@ -148,7 +147,7 @@ class AsyncExpertClient:
         # RegisterSlots carries the client's own metadata and token.
         self._register_md = call_metadata(self._metadata, token, None, None)
         self._turn = 0
-        self._candidates: dict = {}  # (topology, layer, live shards) -> candidates table
+        self._candidates: dict = {}  # (topology, layer, live shards) -> RouteTable
         self.topology: Topology | None = None
 
     @classmethod
@@ -333,13 +332,20 @@ class AsyncExpertClient:
             x_bits = bf16_bits(inputs.x)
             m = inputs.x.shape[0]
             sent = time.perf_counter_ns()
+            later = []
             for part, _ep, slot in held:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise Fallback  # the loop's path words the deadline error
                 tokens = None if part.tokens.numel() == m else part.tokens.numpy()
                 ids, w = part.topk_ids.numpy(), part.topk_weights.numpy()
-                slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
+                if isinstance(slot, ShmSlot):  # rung below, once every slot is written: a
+                    slot.start(layer, x_bits, tokens, ids, w, remaining, False, ring=False)
+                    later.append(slot)  # woken shard may take this CPU at once (2 cores)
+                else:
+                    slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
+            for slot in later:
+                slot.ring()
             pieces = []
             for part, ep, slot in held:
                 try:
@@ -581,13 +587,12 @@ class AsyncExpertClient:
         }
         self._turn += 1
         key = (id(topo), layer, frozenset(live))
-        candidates = self._candidates.get(key)
-        if candidates is None:  # one table per topology, layer and set of live shards
+        table = self._candidates.get(key)
+        if table is None:  # one table per topology, layer and set of live shards
             if len(self._candidates) > 256:
                 self._candidates.clear()
-            candidates = self._candidates[key] = topo.candidates(layer, live)
-        owner = assign_owners(candidates, ids, self._turn)
-        return split_routes(owner, ids, weights), missing_experts(owner, ids)
+            table = self._candidates[key] = RouteTable(topo.candidates(layer, live))
+        return table.route(ids, weights, self._turn)
 
     async def _probe_owners(self, topo, layer, lost, deadline) -> bool:
         """Before failing a call: look again at the dead addresses that might own

@@ -39,6 +39,8 @@ class Inputs:
 def _to_host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     t = t.detach()
     if t.device.type == "cpu":
+        if t.dtype == dtype and t.is_contiguous():
+            return t
         return t.to(dtype).contiguous()
     host = torch.empty(t.shape, dtype=dtype, pin_memory=t.device.type == "cuda")
     host.copy_(t.to(dtype), non_blocking=True)
@@ -67,13 +69,17 @@ def stage_inputs(
     x = _to_host(hidden_states, torch.bfloat16)
     ids = _to_host(topk_ids, torch.int32)
     weights = _to_host(topk_weights, torch.float32)
-    for t in (hidden_states, topk_ids, topk_weights):
-        if t.device.type == "cuda":
-            torch.cuda.current_stream(t.device).synchronize()
-            break
-    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= topology.num_experts):
-        raise ValueError(f"topk_ids: values must be in [-1, {topology.num_experts})")
-    return Inputs(x, ids, weights, hidden_states.device)
+    device = hidden_states.device
+    if device.type == "cuda" or topk_ids.is_cuda or topk_weights.is_cuda:
+        for t in (hidden_states, topk_ids, topk_weights):
+            if t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()
+                break
+    if ids.numel():
+        a = ids.numpy()  # numpy's reductions cost a fraction of torch's on a few ids
+        if a.min() < -1 or a.max() >= topology.num_experts:
+            raise ValueError(f"topk_ids: values must be in [-1, {topology.num_experts})")
+    return Inputs(x, ids, weights, device)
 
 
 # The client's per-call tensor work (each shard's rows, the sum of the answers) runs in numpy
@@ -180,8 +186,68 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
         out_bits.fill(0)
         return out
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
-        _sum(out, out_bits, answers)
+        if m * h <= SMALL_SUM_ELEMENTS:
+            _sum_small(out_bits, answers)
+        else:
+            _sum(out, out_bits, answers)
     return out
+
+
+# Up to this many output elements the sum runs as a few whole-array numpy operations
+# (_sum_small): at M = 1 the blocked path's bookkeeping costs more than the additions.
+SMALL_SUM_ELEMENTS = 8192
+
+
+def _zero_plus() -> np.ndarray:
+    """uint16 [65536]: the bf16 bits of 0.0f + x for each bf16 x, rounded back to bf16 as
+    torch rounds: x itself, but +0 for -0 and 0x7FC0 for every NaN."""
+    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    table[0x8000] = 0
+    table[(table & 0x7FFF) > 0x7F80] = 0x7FC0
+    return table
+
+
+_ZERO_PLUS = _zero_plus()
+
+
+def _sum_small(out_bits: np.ndarray, answers: list) -> None:
+    """The sum for a small call: float32 zeros plus each answer in shard order (index_add_'s
+    additions, so 0 + -0 = +0 as there), then rounded to bf16 as torch rounds: to nearest
+    even, NaN as 0x7FC0."""
+    m, h = out_bits.shape
+    if len(answers) == 1 and answers[0][0].size == m:  # one answer with every row (M = 1,
+        np.take(_ZERO_PLUS, answers[0][1], out=out_bits)  # one shard): one table look-up
+        return
+    if all(rows.size == m for rows, _ in answers):  # every answer holds every row
+        staged = np.stack([bits for _, bits in answers]).astype(np.uint32)
+        np.left_shift(staged, 16, out=staged)
+        f = staged.view(np.float32)
+        acc = f[0]
+        np.add(acc, np.float32(0), out=acc)
+        for j in range(1, len(answers)):
+            np.add(acc, f[j], out=acc)
+    else:
+        acc = np.zeros((m, h), np.float32)
+        for rows, bits in answers:
+            vals = (bits.astype(np.uint32) << 16).view(np.float32)
+            if rows.size == m:
+                np.add(acc, vals, out=acc)
+            elif rows.size:
+                if rows[0] < 0 or rows[-1] >= m or (rows[1:] <= rows[:-1]).any():
+                    raise ValueError(
+                        "an answer's tokens must be distinct rows of the call, ascending"
+                    )
+                acc[rows] += vals  # distinct rows: one addition each
+    u = acc.view(np.uint32)
+    r = u >> 16
+    r &= 1
+    r += 0x7FFF
+    r += u  # wraps for some NaNs only, which are set below
+    r >>= 16
+    np.copyto(out_bits, r, casting="unsafe")
+    nan = acc != acc
+    if nan.any():
+        out_bits[nan] = 0x7FC0
 
 
 def _sum(out: torch.Tensor, out_bits: np.ndarray, answers: list) -> None:

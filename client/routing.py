@@ -10,7 +10,7 @@ Shape legend: M tokens, K top_k, E experts, S shards, Ms / Ks a shard's share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -165,3 +165,90 @@ def split_routes(
             )
         )
     return parts
+
+
+# Up to this many routes (M * K) a call is split in plain Python over lists: at M = 1 and
+# K = 8 that is a few microseconds per shard where split_routes' numpy calls (a dozen per
+# shard, each a microsecond or more) cost ten times as much.
+SMALL_ROUTES = 128
+
+
+@dataclass(slots=True)
+class RouteTable:
+    """Who may take which expert in one (topology, layer, live shards): the candidates,
+    and, when no expert has two of them, the owners once for all calls (they do not
+    depend on the call's routes then)."""
+
+    candidates: torch.Tensor  # bool [S, E + 1]
+    fixed: torch.Tensor | None = field(init=False)  # int64 [E + 1], or None: balance per call
+    _fixed_list: list[int] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        if int(self.candidates.numpy().sum(axis=0).max(initial=0)) > 1:
+            self.fixed, self._fixed_list = None, None
+        else:
+            none = torch.zeros((0, 1), dtype=torch.int32)
+            self.fixed = assign_owners(self.candidates, none)
+            self._fixed_list = self.fixed.tolist()
+
+    def route(
+        self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, turn: int = 0
+    ) -> tuple[list[ShardPart], list[int]]:
+        """-> (one part per shard with routes, experts no shard owns): the same parts as
+        split_routes and the same list as missing_experts, for host int32 ids and float32
+        weights."""
+        owner = self.fixed
+        if owner is None:
+            owner = assign_owners(self.candidates, topk_ids, turn)
+        if topk_ids.numel() <= SMALL_ROUTES:
+            own = self._fixed_list if self.fixed is not None else owner.tolist()
+            return _split_small(own, topk_ids.tolist(), topk_weights.tolist())
+        return split_routes(owner, topk_ids, topk_weights), missing_experts(owner, topk_ids)
+
+
+def _split_small(own: list[int], ids: list, weights: list) -> tuple[list[ShardPart], list[int]]:
+    """split_routes and missing_experts for a few routes, over lists."""
+    per: dict[int, tuple[list, list, list]] = {}  # shard -> (tokens, ids rows, weights rows)
+    lost = set()
+    for t, (id_row, w_row) in enumerate(zip(ids, weights, strict=True)):
+        mine: dict[int, tuple[list, list]] = {}
+        for i, w in zip(id_row, w_row, strict=True):
+            if i < 0:
+                continue
+            s = own[i]
+            if s < 0:
+                lost.add(i)
+                continue
+            got = mine.get(s)
+            if got is None:
+                got = mine[s] = ([], [])
+            got[0].append(i)
+            got[1].append(w)
+        for s, (i_list, w_list) in mine.items():
+            part = per.get(s)
+            if part is None:
+                part = per[s] = ([], [], [])
+            part[0].append(t)
+            part[1].append(i_list)
+            part[2].append(w_list)
+    parts = []
+    for s in sorted(per):
+        tokens, id_rows, w_rows = per[s]
+        width = max(map(len, id_rows))
+        experts = set()
+        for i_list, w_list in zip(id_rows, w_rows, strict=True):
+            experts.update(i_list)
+            if len(i_list) < width:
+                pad = width - len(i_list)
+                i_list.extend([-1] * pad)
+                w_list.extend([0.0] * pad)
+        parts.append(
+            ShardPart(
+                s,
+                torch.from_numpy(np.array(tokens, np.int64)),
+                torch.from_numpy(np.array(id_rows, np.int32)),
+                torch.from_numpy(np.array(w_rows, np.float32)),
+                sorted(experts),
+            )
+        )
+    return parts, sorted(lost)

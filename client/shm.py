@@ -42,6 +42,14 @@ from expertd.client.stream import StreamCallError
 # takes tens of microseconds at least; spinning for about that long saves the wake-up of
 # a sleeping thread (several microseconds, more on a busy machine) without holding a core.
 SPIN_S = 30e-6
+# A slot whose answers take longer than SLEEP_FIRST_S (a CPU shard, a large call) is not
+# spun on right after the ring: the shard's waiter is woken on this CPU as often as not,
+# and a spinning caller keeps it from running there (measured on the 2-core machine: the
+# shard saw the doorbell 30 - 65 us later when the caller spun). The caller sleeps instead
+# until SPIN_EARLY_S before the answer is due (the slot's recent answer time), then spins
+# for it, at most SPIN_EARLY_S + SPIN_S, then sleeps again until it comes.
+SLEEP_FIRST_S = 150e-6
+SPIN_EARLY_S = 80e-6
 EOF_CHECK_S = 0.02  # while sleeping, how often the lease socket is checked for its end
 MAX_SLOTS = 8  # slots per replica: calls beyond this many at once use gRPC
 SLOTS_PER_LEASE = 2
@@ -92,6 +100,8 @@ class Slot:
         self.out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h].view(np.uint16)
         self.seq = 0
         self.rows = 0  # rows of the call in flight / last answered
+        self.rung = 0.0  # time.monotonic() of the last ring
+        self.expect_s = 0.0  # how long answers take: a running mean of ring -> seen answered
         self.channel: ShmChannel | None = None
         self.held = False  # taken by a call (its answer may still be read)
 
@@ -109,9 +119,20 @@ class Slot:
         keeps the slot out of use until then)."""
         return self.ctl.resp_seq == self.ctl.req_seq
 
-    def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
-        """Write one call's rows and header; ring. x_bits: uint16 [M, H] (the call's
-        rows), tokens: the rows of it to send (None: all, in order), ids/w: [m, k]."""
+    def start(
+        self,
+        layer: int,
+        x_bits: np.ndarray,
+        tokens,
+        ids,
+        w,
+        timeout: float,
+        notify: bool,
+        ring: bool = True,
+    ):
+        """Write one call's rows and header; ring (or leave that to `ring()`). x_bits:
+        uint16 [M, H] (the call's rows), tokens: the rows of it to send (None: all, in
+        order), ids/w: [m, k]."""
         m = fill_rows(self, x_bits, tokens, ids, w)
         k = ids.shape[1]
         ctl = self.ctl
@@ -121,9 +142,16 @@ class Slot:
         ctl.flags = dp.FLAG_NOTIFY if notify else 0
         ctl.timeout_us = max(int(timeout * 1e6), 1)
         self.rows = m
+        if ring:
+            self.ring()
+
+    def ring(self) -> None:
+        """The doorbell of the call written by `start`."""
+        ctl = self.ctl
         self.seq = (ctl.req_seq + 1) & 0xFFFFFFFF
         ctl.req_seq = self.seq  # after the data: the shard reads it only once it sees this
         dp.futex_wake(self.req_addr)
+        self.rung = time.monotonic()
 
     def answered(self) -> bool:
         return self.ctl.resp_seq == self.seq
@@ -132,11 +160,20 @@ class Slot:
         """Block the calling thread until answered (True), the deadline (False), or
         the lease's end (StreamCallError UNAVAILABLE)."""
         ctl, old = self.ctl, (self.seq - 1) & 0xFFFFFFFF
+        spin = SPIN_S
+        if self.expect_s > SLEEP_FIRST_S and ctl.resp_seq == old:
+            due = self.rung + self.expect_s - SPIN_EARLY_S
+            if time.monotonic() < due:  # asleep until shortly before the answer is due
+                dp.wait_word(ctl, "resp_seq", self.resp_addr, old, min(due, deadline), 0.0)
+            spin = SPIN_EARLY_S + SPIN_S
         while True:
             now = time.monotonic()
             until = min(deadline, now + EOF_CHECK_S)
-            if dp.wait_word(ctl, "resp_seq", self.resp_addr, old, until, SPIN_S):
+            if dp.wait_word(ctl, "resp_seq", self.resp_addr, old, until, spin):
                 if self.answered():
+                    took = time.monotonic() - self.rung
+                    e = self.expect_s
+                    self.expect_s = took if e == 0.0 else e + (took - e) / 4
                     return True
                 old = ctl.resp_seq  # an answer to an older, abandoned call
                 continue

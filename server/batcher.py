@@ -329,22 +329,23 @@ class Batcher:
                     results.append(error)
                     done.append(0)
                 else:
-                    timing = pb.Timing(
-                        queue_us=(started - job.received_ns) // 1000,
-                        compute_us=(computed - started) // 1000,
-                        total_us=(time.perf_counter_ns() - job.received_ns) // 1000,
-                        stage_us=stage // 1000,
-                        device_us=(computed - started - stage) // 1000,
-                        batch_requests=len(jobs),
-                        batch_tokens=batch_tokens,
-                    )
+                    timing = {
+                        "queue_us": (started - job.received_ns) // 1000,
+                        "compute_us": (computed - started) // 1000,
+                        "total_us": (time.perf_counter_ns() - job.received_ns) // 1000,
+                        "stage_us": stage // 1000,
+                        "device_us": (computed - started - stage) // 1000,
+                        "batch_requests": len(jobs),
+                        "batch_tokens": batch_tokens,
+                    }
                     payload = result.out_bytes[row : row + rows]  # copied once, into the bytes
                     if job.sink is not None:  # into the client's slot, and ring it
-                        job.sink.write_output(payload, _timing_fields(timing))
+                        job.sink.write_output(payload, timing)
                         results.append(SENT)
                         done.append(time.perf_counter_ns())
                         row += rows
                         continue
+                    timing = pb.Timing(**timing)
                     shape = (rows, self.runner.hidden)
                     results.append(
                         encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
@@ -392,18 +393,6 @@ def _record_spans(jobs: list[Job], done: list[int], started: int, computed: int,
         tracing.record("expertd.server.queue", job.received_ns, started, span)
         tracing.record("expertd.server.forward", started, computed, span, batch)
         tracing.record("expertd.server.encode", computed, ready, span)
-
-
-def _timing_fields(timing: pb.Timing) -> dict:
-    return {
-        "queue_us": timing.queue_us,
-        "compute_us": timing.compute_us,
-        "total_us": timing.total_us,
-        "stage_us": timing.stage_us,
-        "device_us": timing.device_us,
-        "batch_requests": timing.batch_requests,
-        "batch_tokens": timing.batch_tokens,
-    }
 
 
 def _settle(jobs: list[Job], results: list) -> None:

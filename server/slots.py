@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from expertd import dataplane as dp
@@ -81,21 +82,38 @@ class Slot:
         self.answered = threading.Event()
         self.answered.set()
         self.thread: threading.Thread | None = None
+        # Views of the regions, made once here: a call only slices them. ids and weights
+        # are copied into this slot's own buffers (the call's tensors view those), so the
+        # client cannot change an id once it was checked; x stays a view of the slot.
+        mmax, k, h = layout.max_tokens, layout.top_k, layout.hidden
+        buf = np.frombuffer(self.mm, np.uint8)
+        self._x = torch.from_numpy(
+            buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.int16)
+        ).view(torch.bfloat16)
+        self._ids_in = buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)
+        self._w_in = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(
+            np.float32
+        )
+        self._out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h]
+        self._ids = torch.empty(mmax * k, dtype=torch.int32)
+        self._w = torch.empty(mmax * k, dtype=torch.float32)
+        self._ids_np, self._w_np = self._ids.numpy(), self._w.numpy()
 
     # -- views of the regions (valid while the slot is mapped) ------------------------
 
     def inputs(self, m: int, k: int, hidden: int):
-        lay = self.layout
+        """The call's x (a view of the slot) and copies of its ids and weights."""
         if m == 0:
             return (
                 torch.empty((0, hidden), dtype=torch.bfloat16),
                 torch.empty((0, max(k, 1)), dtype=torch.int32),
                 torch.empty((0, max(k, 1)), dtype=torch.float32),
             )
-        x = torch.frombuffer(self.mm, dtype=torch.bfloat16, count=m * hidden, offset=lay.x_offset)
-        ids = torch.frombuffer(self.mm, dtype=torch.int32, count=m * k, offset=lay.ids_offset)
-        w = torch.frombuffer(self.mm, dtype=torch.float32, count=m * k, offset=lay.weights_offset)
-        return x.view(m, hidden), ids.view(m, k), w.view(m, k)
+        n = m * k
+        np.copyto(self._ids_np[:n], self._ids_in[:n])
+        np.copyto(self._w_np[:n], self._w_in[:n])
+        x = self._x[: m * hidden].view(m, hidden)
+        return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
 
     # -- answering ---------------------------------------------------------------------
 
@@ -106,10 +124,7 @@ class Slot:
                 return
             n = rows.shape[0]
             if n:
-                off = self.layout.out_offset
-                dst = memoryview(self.mm)[off : off + rows.size]
-                dst[:] = rows.reshape(-1).data
-                dst.release()
+                self._out[: rows.size] = rows.reshape(-1)
             ctl = self.ctl
             for name, value in timing.items():
                 setattr(ctl, name, value)
@@ -155,6 +170,7 @@ class Slot:
         # The tensors of a call view the mmap object (torch keeps it alive): the mapping
         # goes with the last of them; ctl's export must go first.
         self.ctl = None
+        self._x = self._ids_in = self._w_in = self._out = None
         self.mm = None
 
 
@@ -374,10 +390,9 @@ class SlotRegistry:
             raise invalid(f"m = {m} rows exceed the slot's {lay.max_tokens}")
         if m and not 1 <= k <= lay.top_k:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
-        x, ids, w = slot.inputs(m, k, lay.hidden)
         # ids and weights are copied (m * k words): the client cannot change an id after
         # it was checked. x stays a view; its values only shape the client's own answer.
-        ids, w = ids.clone(), w.clone()
+        x, ids, w = slot.inputs(m, k, lay.hidden)
         args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
         deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         job = Job(args, deadline, received, None, ctl.request_id, slot)

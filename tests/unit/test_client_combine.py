@@ -37,6 +37,14 @@ def set_block(monkeypatch, rows_elements: int | None) -> None:
         monkeypatch.setattr(core, "COMBINE_BLOCK_ELEMENTS", rows_elements)
 
 
+@pytest.fixture(params=["small", "blocked"])
+def sum_path(request, monkeypatch):
+    """Each sum test runs through both of combine's paths (whole arrays for small calls,
+    blocks of rows otherwise), whatever its size."""
+    monkeypatch.setattr(core, "SMALL_SUM_ELEMENTS", 1 << 40 if request.param == "small" else 0)
+    return request.param
+
+
 def reference(m: int, h: int, pieces: list[Piece]) -> torch.Tensor:
     total = torch.zeros((m, h), dtype=torch.float32)
     for p in sorted(pieces, key=lambda p: p.shard):
@@ -94,7 +102,7 @@ def make_pieces(m, h, shards, seed, keep=0.67, special=0.0, full=(), empty=()):
         (9, 33, 1),  # one row a block, odd width
     ],
 )
-def test_combine_gives_index_adds_bits(monkeypatch, m, h, block):
+def test_combine_gives_index_adds_bits(sum_path, monkeypatch, m, h, block):
     set_block(monkeypatch, block)
     pieces = make_pieces(m, h, 8, seed=m * h)
     want = reference(m, h, pieces)
@@ -103,7 +111,7 @@ def test_combine_gives_index_adds_bits(monkeypatch, m, h, block):
 
 
 @pytest.mark.parametrize("block", [None, 2 * 256])
-def test_combine_nan_inf_zeros_and_subnormals(monkeypatch, block):
+def test_combine_nan_inf_zeros_and_subnormals(sum_path, monkeypatch, block):
     set_block(monkeypatch, block)
     m, h = 40, 256
     pieces = make_pieces(m, h, 8, seed=3, special=0.05)
@@ -129,7 +137,7 @@ def test_combine_nan_inf_zeros_and_subnormals(monkeypatch, block):
 
 
 @pytest.mark.parametrize("block", [None, 3 * 64])
-def test_combine_empty_full_and_missing(monkeypatch, block):
+def test_combine_empty_full_and_missing(sum_path, monkeypatch, block):
     set_block(monkeypatch, block)
     m, h = 20, 64
     cases = [
@@ -137,6 +145,7 @@ def test_combine_empty_full_and_missing(monkeypatch, block):
         make_pieces(m, h, 4, seed=5, full=(0, 1, 2, 3)),  # every answer holds every row
         make_pieces(m, h, 3, seed=6, keep=0.2),  # rows no answer holds: zeros
         make_pieces(m, h, 1, seed=7, full=(0,)),
+        make_pieces(m, h, 1, seed=9, full=(0,), special=0.3),  # -0, NaN, inf in the only one
         make_pieces(m, h, 3, seed=8, empty=(0, 1, 2)),
         [],
     ]
@@ -172,7 +181,7 @@ def test_combine_reads_parsed_responses_at_any_alignment():
     assert_same(combine(inputs_for(m, h), h, pieces), reference(m, h, plain))
 
 
-def test_combine_refuses_malformed_answers():
+def test_combine_refuses_malformed_answers(sum_path):
     m, h = 4, 512
     pieces = make_pieces(m, h, 2, seed=1, full=(0,))
     inputs = inputs_for(m, h)

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertd.client.routing import assign_owners, missing_experts, split_routes
+from expertd.client import routing
+from expertd.client.routing import RouteTable, assign_owners, missing_experts, split_routes
 
 
 @st.composite
@@ -69,6 +70,40 @@ def test_every_owned_route_once_to_an_owner(case):
             assert sent.get((t, shard), []) == want
     lost = sorted({int(i) for i in ids.flatten() if i >= 0 and owner[i] < 0})
     assert missing_experts(owner, ids) == lost
+
+
+def same_parts(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shard == w.shard and g.experts == w.experts
+        for a, b in ((g.tokens, w.tokens), (g.topk_ids, w.topk_ids)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert g.topk_weights.dtype == w.topk_weights.dtype
+        assert torch.equal(g.topk_weights, w.topk_weights)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(cases())
+def test_small_calls_split_as_the_numpy_path_does(case):
+    """A few routes are split over lists (RouteTable.route below SMALL_ROUTES): the same
+    parts, in the same order and dtypes, and the same lost experts as the numpy path."""
+    candidates, ids, weights, turn = case
+    owner = assign_owners(candidates, ids, turn)
+    want = split_routes(owner, ids, weights), missing_experts(owner, ids)
+    parts, lost = routing._split_small(owner.tolist(), ids.tolist(), weights.tolist())
+    same_parts(parts, want[0])
+    assert lost == want[1]
+    table = RouteTable(candidates)
+    if table.fixed is not None:  # no redundant expert: the owners do not depend on the call
+        assert torch.equal(table.fixed, owner)
+    for small in (0, 10**6):  # both paths of route
+        routing.SMALL_ROUTES, saved = small, routing.SMALL_ROUTES
+        try:
+            parts, lost = table.route(ids, weights, turn)
+        finally:
+            routing.SMALL_ROUTES = saved
+        same_parts(parts, want[0])
+        assert lost == want[1]
 
 
 def test_redundant_experts_are_balanced():
