@@ -21,8 +21,9 @@ import threading
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
@@ -90,6 +91,16 @@ class RunningServer:
         self.metrics.close()
         if self.trimmer is not None:
             await self.trimmer.stop()
+
+
+def reflection_pool() -> descriptor_pool.DescriptorPool:
+    """Every served proto file in one pool, for reflection. The OIP stubs keep their
+    descriptors out of protobuf's default pool (scripts/gen_proto.sh), where reflection
+    would otherwise look."""
+    pool = descriptor_pool.DescriptorPool()
+    for module in (pb, oip, health_pb2, reflection_pb2):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
 
 
 def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list[tuple[str, int]]]:
@@ -212,7 +223,9 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
+        server,
+        pool=reflection_pool(),
     )
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     if credentials is None:

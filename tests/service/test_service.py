@@ -120,6 +120,29 @@ def test_reflection_lists_services(addresses):
     assert {"expertd.v1.ExpertService", "grpc.health.v1.Health"} <= names
 
 
+def test_reflection_describes_both_services(addresses):
+    """grpcurl's `describe`: the file that defines each service, the OIP one included
+    (its stubs live outside protobuf's default pool)."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    wanted = {
+        "expertd.v1.ExpertService": "expertd/v1/expertd.proto",
+        "inference.GRPCInferenceService": "expertd/v1/inference.proto",
+        "inference.ModelInferRequest": "expertd/v1/inference.proto",
+    }
+    reqs = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in wanted]
+    with grpc.insecure_channel(addresses[0]) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = list(stub.ServerReflectionInfo(iter(reqs), timeout=5))
+    for symbol, reply in zip(wanted, replies, strict=True):
+        assert reply.WhichOneof("message_response") == "file_descriptor_response", symbol
+        proto = descriptor_pb2.FileDescriptorProto.FromString(
+            reply.file_descriptor_response.file_descriptor_proto[0]
+        )
+        assert proto.name == wanted[symbol], symbol
+
+
 def test_stream_tags_results_and_survives_a_bad_request(addresses, full_layers):
     gen = torch.Generator().manual_seed(5)
     shard0 = list(range(8))  # experts of shard 0
