@@ -336,7 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What `expertd[server]` adds to the client-only install (pyproject.toml).
+SERVER_PACKAGES = {"torch", "grpc_health", "grpc_reflection", "safetensors", "prometheus_client"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVER_PACKAGES:
+            raise
+        print(
+            f"expertd: {e}; the command line needs pip install 'expertd[server]'", file=sys.stderr
+        )
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from expertd.logs import setup_logging
 
