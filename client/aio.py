@@ -29,6 +29,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import nixl as nixl_plane
+from expertd import tracing
 from expertd.client import nixl as nixl_client
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import (
@@ -52,6 +53,7 @@ from expertd.client.routing import (
 )
 from expertd.client.shm import MAX_SLOTS, SLOTS_PER_LEASE, LeaseError, ShmChannel
 from expertd.client.stream import ForwardStream, StreamCallError
+from expertd.client.telemetry import Telemetry, transfer_attributes
 from expertd.v1 import expertd_pb2 as pb
 
 BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
@@ -85,6 +87,7 @@ class AsyncExpertClient:
         attempt_share: float = 0.5,
         busy_retries: int = 6,
         busy_backoff: float = 0.05,
+        metrics=None,
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
@@ -101,7 +104,9 @@ class AsyncExpertClient:
         busy_retries: how many times a shard part is sent again after a replica
         refused it for overload (RESOURCE_EXHAUSTED), within the deadline;
         busy_backoff: the first pause after such a refusal (doubles, jittered, at
-        most BUSY_PAUSE_MAX s). A busy replica stays in rotation: busy is not down."""
+        most BUSY_PAUSE_MAX s). A busy replica stays in rotation: busy is not down.
+        metrics: a prometheus_client CollectorRegistry to observe the calls' stage
+        times in (client/telemetry.py; `timings()` has their totals either way)."""
         if not 0 < attempt_share <= 1:
             raise ValueError(f"attempt_share must be in (0, 1], not {attempt_share}")
         self.attempt_share = attempt_share
@@ -127,6 +132,8 @@ class AsyncExpertClient:
         self.busy_backoff = busy_backoff
         self._metadata = metadata_tuples(metadata)
         self._token = token
+        self.telemetry = Telemetry(metrics)
+        tracing.configure_from_env()  # EXPERTD_TRACE: spans of this process's calls
         # A stream's metadata is fixed when it opens: the client's own and its token.
         self._stream_md = tuple(
             kv for kv in call_metadata(self._metadata, token, "-", None) if kv[0] != "x-request-id"
@@ -134,7 +141,7 @@ class AsyncExpertClient:
         endpoints = {}
         for a in self.addresses:
             channel = open_channel(a, tls)
-            endpoints[a] = Endpoint(a, channel, ExpertStub(channel))
+            endpoints[a] = Endpoint(a, channel, ExpertStub(channel, self.telemetry))
         self._pool = Pool(endpoints, refresh_s=refresh_s)
         self._prober: asyncio.Task | None = None
         # RegisterSlots carries the client's own metadata and token.
@@ -162,6 +169,10 @@ class AsyncExpertClient:
     def stats(self) -> dict[str, dict]:
         """Per address: alive, why not, calls in flight, calls answered, instance_id."""
         return self._pool.stats()
+
+    def timings(self) -> dict[str, dict]:
+        """Per stage of the calls so far (client/telemetry.py): count, total_s, mean_us."""
+        return self.telemetry.summary()
 
     # -- the same-host data plane ---------------------------------------------------
 
@@ -303,8 +314,12 @@ class AsyncExpertClient:
         ShardCallError for an error no retry fixes."""
         if tuple(kv for kv in md if kv[0] != "x-request-id") != self._stream_md:
             raise Fallback
+        if tracing.active():
+            raise Fallback  # spans are made on the loop's path
         topo = self.topology
+        t0 = time.perf_counter_ns()
         parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
+        self.telemetry.add("route", time.perf_counter_ns() - t0)
         if lost:
             raise Fallback
         held = []
@@ -316,6 +331,7 @@ class AsyncExpertClient:
                 held.append((part, ep, slot))
             x_bits = bf16_bits(inputs.x)
             m = inputs.x.shape[0]
+            sent = time.perf_counter_ns()
             for part, _ep, slot in held:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -343,8 +359,14 @@ class AsyncExpertClient:
                     ) from None
                 ep.calls += 1
                 ep.last_timing = slot.timing()
+                self.telemetry.answered(time.perf_counter_ns() - sent, ep.last_timing)
                 pieces.append(Piece(part.shard, part.tokens, bits, ep.address, ep.last_timing))
-            return combine(inputs, topo.hidden_size, pieces)
+            t1 = time.perf_counter_ns()
+            out = combine(inputs, topo.hidden_size, pieces)
+            t2 = time.perf_counter_ns()
+            self.telemetry.add("sum", t2 - t1)
+            self.telemetry.add("call", t2 - t0)
+            return out
         finally:
             for _part, _ep, slot in held:
                 slot.release()
@@ -449,7 +471,9 @@ class AsyncExpertClient:
         None); token: overrides the client's bearer token for this call."""
         if self.topology is None:
             raise RuntimeError("client has not discovered the shards yet: await refresh()")
+        t0 = time.perf_counter_ns()
         inputs = stage_inputs(self.topology, hidden_states, topk_ids, topk_weights)
+        self.telemetry.add("stage", time.perf_counter_ns() - t0)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         md = call_metadata(self._metadata, token or self._token, request_id, metadata)
         return inputs, deadline, md
@@ -470,21 +494,62 @@ class AsyncExpertClient:
         inputs, deadline, md = self.prepare(hidden_states, topk_ids, topk_weights, **options)
         return to_caller(await self.execute(layer, inputs, deadline, md), inputs)
 
-    async def execute(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
-        """Route, fan out, sum -> bf16 [M, H] on the host."""
+    async def execute(
+        self, layer: int, inputs: Inputs, deadline: float, md, parent=None
+    ) -> torch.Tensor:
+        """Route, fan out, sum -> bf16 [M, H] on the host. parent: the caller's
+        OpenTelemetry Context when tracing (default: this task's current span)."""
+        t0 = time.perf_counter_ns()
+        if not tracing.active():
+            out = await self._execute(layer, inputs, deadline, md)
+            self.telemetry.add("call", time.perf_counter_ns() - t0)
+            return out
+        attrs = {"expertd.layer": layer, "expertd.tokens": inputs.x.shape[0]}
+        span = tracing.start("expertd.client.call", attrs, parent)
+        token = tracing.attach(span)
+        error = None
+        try:
+            out = await self._execute(layer, inputs, deadline, md)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.detach(token)
+            tracing.end(span, error)
+        self.telemetry.add("call", time.perf_counter_ns() - t0)
+        return out
+
+    async def _execute(self, layer: int, inputs: Inputs, deadline: float, md) -> torch.Tensor:
         topo = self.topology
+        t0 = time.perf_counter_ns()
         parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
+        self.telemetry.add("route", time.perf_counter_ns() - t0)
         if lost and await self._probe_owners(topo, layer, lost, deadline):
             topo = self.topology  # a shard came back: plan again
             parts, lost = self._plan(topo, layer, inputs.ids, inputs.weights)
         if lost:
             raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
         held: list = []  # slots whose output regions the pieces view, until summed
+        fanout = None
+        if tracing.active():  # the shards' calls (their tasks) are its children
+            fanout = tracing.start("expertd.client.fanout", {"expertd.shards": len(parts)})
+            token = tracing.attach(fanout)
         try:
-            pieces = await _all(
-                self._send(topo, layer, inputs, p, deadline, md, held=held) for p in parts
-            )
-            return combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+            try:
+                pieces = await _all(
+                    self._send(topo, layer, inputs, p, deadline, md, held=held) for p in parts
+                )
+            finally:
+                if fanout is not None:
+                    tracing.detach(token)
+                    fanout.end()
+            t0 = time.perf_counter_ns()
+            out = combine(inputs, topo.hidden_size, [p for ps in pieces for p in ps])
+            t1 = time.perf_counter_ns()
+            self.telemetry.add("sum", t1 - t0)
+            if fanout is not None:
+                tracing.record("expertd.client.sum", t0, t1)
+            return out
         finally:
             for slot in held:
                 slot.release()
@@ -548,6 +613,10 @@ class AsyncExpertClient:
             backup = self._pool.has_live(addresses, {*tried, ep.address})
             budget = remaining * self.attempt_share if backup else remaining
             ep.outstanding += 1
+            sent, span, failed = time.perf_counter_ns(), None, None
+            if tracing.active():  # this attempt; the shard's spans become its children
+                attrs = {"expertd.address": ep.address, "expertd.shard": part.shard}
+                span = tracing.start("expertd.client.shard", {**attrs, "expertd.tokens": rows})
             try:
                 slot = (
                     await self._slot(ep, min(budget, self.discover_timeout)) if slots_ok else None
@@ -562,11 +631,19 @@ class AsyncExpertClient:
                 if slot is not None:
                     piece = await self._forward_slot(ep, slot, layer, inputs, part, budget, md)
                     ep.calls += 1
+                    self.telemetry.answered(time.perf_counter_ns() - sent, piece.timing)
+                    if span is not None:
+                        span.set_attribute("expertd.transport", "slot")
+                        span.set_attributes(transfer_attributes(sent, piece.timing))
                     return [piece]
                 if request is None:
                     request = forward_request(layer, inputs, part)
-                reply = await self._forward_rpc(ep, request, budget, md)
+                parent = tracing.traceparent(span) if span is not None else ""
+                reply = await self._forward_rpc(ep, request, budget, md, parent)
+                if span is not None and reply is not None:
+                    span.set_attributes(transfer_attributes(sent, reply.timing))
             except grpc.RpcError as e:
+                failed = e
                 code, details = e.code(), e.details()
                 last = (ep.address, code, details)
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _overload(ep, rows, details):
@@ -599,8 +676,13 @@ class AsyncExpertClient:
                 pause = self.retry_backoff * 2 ** (len(tried) - 1) * random.uniform(0.5, 1.5)
                 await asyncio.sleep(min(pause, max(deadline - time.monotonic(), 0)))
                 continue
+            except BaseException as e:
+                failed = e
+                raise
             finally:
                 ep.outstanding -= 1
+                if span is not None:
+                    tracing.end(span, failed)
             problem = reply_problem(reply, rows, topo.hidden_size)
             if problem is not None:  # a server that does not speak the protocol: say so now
                 raise ShardCallError(
@@ -608,6 +690,7 @@ class AsyncExpertClient:
                 )
             ep.calls += 1
             ep.last_timing = reply.timing
+            self.telemetry.answered(time.perf_counter_ns() - sent, reply.timing)
             return [Piece(part.shard, part.tokens, reply.output, ep.address, ep.last_timing)]
         if ep is None and time.monotonic() < deadline and depth < len(topo.shards):
             subparts, lost = self._plan(topo, layer, part.topk_ids, part.topk_weights, {part.shard})
@@ -628,9 +711,12 @@ class AsyncExpertClient:
             )
         raise ShardCallError(address, layer, part.experts, last[1], last[2], {**busy, **tried})
 
-    async def _forward_rpc(self, ep: Endpoint, request, timeout: float, md) -> pb.ForwardResponse:
+    async def _forward_rpc(
+        self, ep: Endpoint, request, timeout: float, md, traceparent: str = ""
+    ) -> pb.ForwardResponse:
         """One Forward on the stream, or unary when asked to (or when this call's
-        metadata differs from the stream's: a per-call token or extra metadata)."""
+        metadata differs from the stream's: a per-call token or extra metadata).
+        traceparent: the attempt's span, in the request on a stream, else in metadata."""
         # The server refuses a request routed for another of its lives (a restart,
         # maybe with another placement) instead of skipping routes it lost.
         request.instance_id = ep.info.instance_id if ep.info is not None else ""
@@ -639,7 +725,10 @@ class AsyncExpertClient:
             if ep.stream is None:
                 ep.stream = ForwardStream(ep.stub, self._stream_md)
             request.trace_id = dict(md).get("x-request-id", "")
+            request.traceparent = traceparent
             return await ep.stream.forward(request, timeout)
+        if traceparent:
+            md = (*md, (tracing.TRACEPARENT, traceparent))
         return await ep.stub.Forward(request, timeout=timeout, metadata=md)
 
     def _owners(self, topo: Topology, layer: int, experts: list[int]) -> list[str]:

@@ -70,18 +70,22 @@ class ExpertStub:
     """expertd.v1.ExpertService on a channel, like the generated stub, except that
     Forward answers are read off the received bytes without a copy (expertd/codec.py)."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, telemetry=None) -> None:
         service = "/expertd.v1.ExpertService/"
         request = serialize_forward_request  # ForwardRequestOut or a message
+        response = parse_forward_response
+        if telemetry is not None:  # client/telemetry.py: the encode and decode stages
+            request = telemetry.timed("encode", request)
+            response = telemetry.timed("decode", response)
         self.Forward = channel.unary_unary(
             service + "Forward",
             request_serializer=request,
-            response_deserializer=parse_forward_response,
+            response_deserializer=response,
         )
         self.ForwardStream = channel.stream_stream(
             service + "ForwardStream",
             request_serializer=request,
-            response_deserializer=parse_forward_response,
+            response_deserializer=response,
         )
         self.Describe = channel.unary_unary(
             service + "Describe",

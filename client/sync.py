@@ -25,6 +25,7 @@ from concurrent.futures import Future
 
 import torch
 
+from expertd import tracing
 from expertd.aioloop import shared_loop
 from expertd.client.aio import AsyncExpertClient, Fallback
 from expertd.client.core import to_caller
@@ -68,6 +69,10 @@ class ExpertClient:
     def stats(self) -> dict[str, dict]:
         return self._client.stats()
 
+    def timings(self) -> dict[str, dict]:
+        """Per stage of the calls so far (client/telemetry.py): count, total_s, mean_us."""
+        return self._client.timings()
+
     def refresh(self, timeout: float | None = None) -> Topology:
         """Describe every address now and rebuild the expert -> shard map."""
         self._check_open()
@@ -90,8 +95,9 @@ class ExpertClient:
         inputs, deadline, md = self._client.prepare(
             hidden_states, topk_ids, topk_weights, **options
         )
+        parent = tracing.current_context() if tracing.active() else None  # the caller's span
         host = asyncio.run_coroutine_threadsafe(
-            self._client.execute(layer, inputs, deadline, md), self._loop
+            self._client.execute(layer, inputs, deadline, md, parent), self._loop
         )
         result: Future = Future()
 
@@ -123,7 +129,8 @@ class ExpertClient:
         try:
             out = client.execute_direct(layer, inputs, deadline, md)
         except Fallback:
-            out = self._run(client.execute(layer, inputs, deadline, md))
+            parent = tracing.current_context() if tracing.active() else None
+            out = self._run(client.execute(layer, inputs, deadline, md, parent))
         return to_caller(out, inputs)
 
     def close(self) -> None:

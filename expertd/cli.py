@@ -1,165 +1,443 @@
-"""The `expertd` command: serve, make-checkpoint, describe, health, cluster, demo.
+"""The `expertd` command: serve, make-checkpoint, describe, health, cluster, demo, build-kernels.
 
-Every `serve` flag also reads an EXPERTD_* environment variable (flag wins), so
-a container is configured by either.
+Every `serve` flag also reads an EXPERTD_* environment variable (the flag wins), so a container
+is configured by either; each option's help names its variable and default. Variables are read
+when the command line is parsed, not when the parser is built. A bad value, from a flag or a
+variable, is one line on stderr and exit status 2.
+
+Building the parser imports nothing heavy (no torch, no grpc): each command imports what it
+needs when it runs, so `--help` and `expertd health` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
+import re
 import sys
 
 import expertd
 
+ENV_PREFIX = "EXPERTD_"
+DEFAULT_PORT = 50051
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"  # serve's default, and where health looks
+_UNSET = object()  # "not on the command line": the environment or the default decides
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-def _env(name: str, default=None, kind=str):
-    value = os.environ.get(f"EXPERTD_{name}")
-    return default if value in (None, "") else kind(value)
+
+# ---- value types: each raises ArgumentTypeError with a message naming what is wanted -------
+
+
+def _number(kind, lo=None, hi=None, what=None):
+    what = what or {int: "an integer", float: "a number"}[kind]
+    bounds = (
+        f" in [{lo}, {hi}]"
+        if lo is not None and hi is not None
+        else f" >= {lo}"
+        if lo is not None
+        else ""
+    )
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {what}{bounds}, got {text!r}") from None
+        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}{bounds}, got {text!r}")
+        return value
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
+
+
+def _int(lo=None, hi=None):
+    return _number(int, lo, hi)
+
+
+def _float(lo=None, hi=None):
+    return _number(float, lo, hi)
+
+
+_PORT = _number(int, 0, 65535, "a port")
+
+
+def _address(text: str) -> str:
+    """host:port ([v6]:port too) or unix:PATH."""
+    if text.startswith(("unix:", "unix-abstract:")):
+        if text.partition(":")[2]:
+            return text
+    else:
+        host, sep, port = text.rpartition(":")
+        if sep and host and port.isdigit() and int(port) <= 65535:
+            return text
+    raise argparse.ArgumentTypeError(f"expected HOST:PORT or unix:PATH, got {text!r}")
+
+
+_address.__name__ = "address"
+
+
+def _log_level(text: str) -> str:
+    if text.upper() in _LOG_LEVELS:
+        return text.upper()
+    raise argparse.ArgumentTypeError(
+        f"expected one of {', '.join(_LOG_LEVELS)} (any case), got {text!r}"
+    )
+
+
+_log_level.__name__ = "log level"
+
+
+def _device(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda|cuda:\d+|auto", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
+
+
+_device.__name__ = "device"
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected 1/true/yes or 0/false/no, got {text!r}")
+
+
+def _int_list(text: str) -> str:
+    """Comma-separated positive integers (kept as text: the command splits it)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}"
+        )
+    return text
+
+
+def _experts(text: str) -> str:
+    """An expert list such as 0-27,200,201 (kept as text: serve parses it)."""
+    from expertd.server.config import parse_expert_list  # light: no torch
+
+    try:
+        parse_expert_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+_experts.__name__ = "expert list"
+
+
+# ---- the parser --------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with EXPERTD_* fallbacks applied at parse time, and one-line errors."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fallbacks: list[tuple] = []  # (dest, env name, type, default, choices)
+
+    def option(
+        self, *flags: str, env=None, default=None, type=None, help="", group=None, **kw
+    ) -> None:
+        """Add an option whose value comes from its flag, else EXPERTD_<env>, else `default`;
+        its help gets both. One line per option: a new flag is one call."""
+        name = f"{ENV_PREFIX}{env}" if env else None
+        shown = kw.pop("shown", None)
+        if shown is None:
+            shown = "off" if default is None else str(default) if default != "" else "''"
+        extra = f"default: {shown}" + (f"; env {name}" if name else "")
+        if kw.get("action") == "store_true":
+            type = _bool
+        else:
+            kw["type"] = type
+        target = group or self
+        action = target.add_argument(*flags, default=_UNSET, help=f"{help} [{extra}]", **kw)
+        self._fallbacks.append((action.dest, name, type, default, action.choices))
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        self._apply_fallbacks(namespace)
+        # The chosen command's parser too: whether argparse calls its parse_known_args
+        # differs between Python versions (values already set are left alone).
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None) or "")
+                if isinstance(chosen, Parser):
+                    chosen._apply_fallbacks(namespace)
+        return namespace, rest
+
+    def _apply_fallbacks(self, namespace) -> None:
+        for dest, env, convert, default, choices in self._fallbacks:
+            if getattr(namespace, dest, _UNSET) is not _UNSET:
+                continue
+            raw = os.environ.get(env, "") if env else ""
+            value = default
+            if raw != "":
+                try:
+                    value = convert(raw) if convert else raw
+                    if choices is not None and value not in choices:
+                        raise ValueError(f"expected one of {', '.join(map(str, choices))}")
+                except (argparse.ArgumentTypeError, ValueError) as e:
+                    self.error(f"{env}={raw!r}: {e}")
+            setattr(namespace, dest, value)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, rest = self.parse_known_args(args, namespace)
+        if rest:  # name the command whose options these are not
+            command = getattr(namespace, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            message = f"unrecognized arguments: {' '.join(rest)} (see {prog} --help)"
+            self.exit(2, f"{prog}: error: {message}\n")
+        return namespace
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve one shard of experts over gRPC")
+    p = sub.add_parser(
+        "serve",
+        help="serve one shard of experts over gRPC",
+        description="Serve one shard of every layer's experts over gRPC (one process per GPU).",
+    )
+    o = p.option
     src = p.add_argument_group("weights (one of)")
-    src.add_argument("--checkpoint", default=_env("CHECKPOINT"), help="NVFP4 safetensors dir")
-    src.add_argument(
+    o("--checkpoint", env="CHECKPOINT", help="NVFP4 safetensors dir", group=src)
+    o(
         "--synthetic",
-        default=_env("SYNTHETIC"),
+        env="SYNTHETIC",
         metavar="PRESET",
+        choices=("small", "muse-spark"),
         help="generate weights in memory: small | muse-spark",
+        group=src,
     )
-    src.add_argument("--layers", type=int, default=_env("LAYERS", None, int))
-    src.add_argument("--seed", type=int, default=_env("SEED", 0, int))
-    src.add_argument("--prefix", default=_env("PREFIX", "model."), help="tensor-name prefix")
+    o("--layers", env="LAYERS", type=_int(1), help="layers to serve", shown="all", group=src)
+    o("--seed", env="SEED", type=_int(0), default=0, help="synthetic weights' seed", group=src)
+    o("--prefix", env="PREFIX", default="model.", help="tensor-name prefix", group=src)
     own = p.add_argument_group("which experts")
-    own.add_argument("--shard", type=int, default=_env("SHARD", 0, int))
-    own.add_argument("--num-shards", type=int, default=_env("NUM_SHARDS", 1, int))
-    own.add_argument("--experts", default=_env("EXPERTS"), help="explicit list, e.g. 0-27,200,201")
+    o("--shard", env="SHARD", type=_int(0), default=0, help="this shard's index", group=own)
+    o("--num-shards", env="NUM_SHARDS", type=_int(1), default=1, help="shards", group=own)
+    o(
+        "--experts",
+        env="EXPERTS",
+        type=_experts,
+        help="explicit list, e.g. 0-27,200,201",
+        shown="an even split by --shard",
+        group=own,
+    )
     run = p.add_argument_group("runtime")
-    run.add_argument(
-        "--listen", default=_env("LISTEN", "127.0.0.1:0"), help="host:port or unix:PATH"
+    o(
+        "--listen",
+        env="LISTEN",
+        type=_address,
+        default=DEFAULT_LISTEN,
+        help="host:port or unix:PATH (port 0: any free port)",
+        group=run,
     )
-    run.add_argument("--device", default=_env("DEVICE", "auto"), help="cpu | cuda | cuda:N | auto")
-    run.add_argument("--backend", default=_env("BACKEND"), help="reference | cuda (default: best)")
-    run.add_argument("--grace", type=float, default=_env("GRACE_S", 30.0, float))
-    run.add_argument(
+    o(
+        "--device",
+        env="DEVICE",
+        type=_device,
+        default="auto",
+        help="cpu|cuda|cuda:N|auto",
+        group=run,
+    )
+    o(
+        "--backend",
+        env="BACKEND",
+        choices=("reference", "cuda"),
+        help="reference | cuda",
+        shown="cuda on an sm_90 GPU that has the kernels, else reference (logged)",
+        group=run,
+    )
+    o("--grace", env="GRACE_S", type=_float(0), default=30.0, help="drain seconds", group=run)
+    o(
         "--drain-delay",
-        type=float,
-        default=_env("DRAIN_DELAY_S", 1.0, float),
+        env="DRAIN_DELAY_S",
+        type=_float(0),
+        default=1.0,
         help="after SIGTERM, seconds of NOT_SERVING health during which calls are still admitted",
+        group=run,
     )
-    run.add_argument("--torch-threads", type=int, default=_env("TORCH_THREADS", None, int))
-    run.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    run.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
-    run.add_argument(
-        "--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="Prometheus port"
+    o(
+        "--torch-threads",
+        env="TORCH_THREADS",
+        type=_int(1),
+        help="host threads",
+        shown="4 on a GPU, torch's own on CPU",
+        group=run,
     )
-    run.add_argument(
+    o(
+        "--log-level",
+        env="LOG_LEVEL",
+        type=_log_level,
+        default="INFO",
+        help="DEBUG|INFO|WARNING|ERROR",
+        group=run,
+    )
+    o(
+        "--log-format",
+        env="LOG_FORMAT",
+        choices=("text", "json"),
+        default="text",
+        help="text | json",
+        group=run,
+    )
+    o(
+        "--metrics-port",
+        env="METRICS_PORT",
+        type=_PORT,
+        help="Prometheus /metrics on this port of the serving host (0: any free port)",
+        group=run,
+    )
+    o(
+        "--metrics-listen",
+        env="METRICS_LISTEN",
+        metavar="HOST:PORT|off",
+        help="serve /metrics here instead (off: no endpoint, whatever the port says)",
+        group=run,
+    )
+    o(
+        "--metrics-created",
+        env="METRICS_CREATED",
+        action="store_true",
+        default=False,
+        help="also serve the *_created series of counters and histograms",
+        group=run,
+    )
+    o(
+        "--trace",
+        env="TRACE",
+        metavar="off|on|console|otlp|jsonl:PATH",
+        help="OpenTelemetry spans (needs expertd[otel])",
+        group=run,
+    )
+    o(
         "--health-listen",
-        default=_env("HEALTH_LISTEN"),
+        env="HEALTH_LISTEN",
+        type=_address,
         help="also serve grpc.health.v1 alone, in plaintext, here (for probes when TLS is on)",
+        group=run,
     )
     lim = p.add_argument_group("limits and batching")
-    lim.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", 16384, int))
-    lim.add_argument("--max-top-k", type=int, default=_env("MAX_TOP_K", 64, int))
-    lim.add_argument("--max-inflight", type=int, default=_env("MAX_INFLIGHT", 512, int))
-    lim.add_argument(
-        "--max-queue-requests", type=int, default=_env("MAX_QUEUE_REQUESTS", 1024, int)
-    )
-    lim.add_argument("--max-queue-tokens", type=int, default=_env("MAX_QUEUE_TOKENS", 65536, int))
-    lim.add_argument(
-        "--batch-window-us",
-        type=int,
-        default=_env("BATCH_WINDOW_US", 0, int),
-        help="extra wait for requests to merge with (0: merge what is queued)",
-    )
-    lim.add_argument("--max-batch-tokens", type=int, default=_env("MAX_BATCH_TOKENS", 16384, int))
-    lim.add_argument(
-        "--max-batch-requests",
-        type=int,
-        default=_env("MAX_BATCH_REQUESTS", 256, int),
-        help="requests merged into one forward (1: batching off)",
-    )
-    lim.add_argument(
-        "--graph-max-tokens",
-        type=int,
-        default=_env("GRAPH_MAX_TOKENS", 1024, int),
-        help="CUDA graphs for batches up to this many tokens (0: off)",
-    )
-    lim.add_argument(
+    for flag, env, lo, default, text in (
+        ("--max-tokens", "MAX_TOKENS", 1, 16384, "tokens in one request"),
+        ("--max-top-k", "MAX_TOP_K", 1, 64, "top_k of one request"),
+        ("--max-inflight", "MAX_INFLIGHT", 1, 512, "requests admitted at once"),
+        ("--max-queue-requests", "MAX_QUEUE_REQUESTS", 1, 1024, "requests waiting"),
+        ("--max-queue-tokens", "MAX_QUEUE_TOKENS", 1, 65536, "tokens waiting"),
+        (
+            "--batch-window-us",
+            "BATCH_WINDOW_US",
+            0,
+            0,
+            "extra wait for requests to merge with (0: merge what is queued)",
+        ),
+        ("--max-batch-tokens", "MAX_BATCH_TOKENS", 1, 16384, "tokens merged into one forward"),
+        (
+            "--max-batch-requests",
+            "MAX_BATCH_REQUESTS",
+            1,
+            256,
+            "requests merged into one forward (1: batching off)",
+        ),
+        (
+            "--graph-max-tokens",
+            "GRAPH_MAX_TOKENS",
+            0,
+            1024,
+            "CUDA graphs for batches up to this many tokens (0: off)",
+        ),
+    ):
+        o(flag, env=env, type=_int(lo), default=default, help=text, group=lim)
+    o(
         "--pipeline-depth",
-        type=int,
-        default=_env("PIPELINE_DEPTH", None, int),
-        help="batches in flight on a GPU (default 2: one computing, the next copying in; 1: none)",
+        env="PIPELINE_DEPTH",
+        type=_int(1),
+        help="batches in flight on a GPU (2: one computing, the next copying in; 1: none)",
+        shown="2",
+        group=lim,
     )
     cap = p.add_argument_group("connections and calls (0: no cap)")
-    cap.add_argument(
-        "--max-concurrent-rpcs",
-        type=int,
-        default=_env("MAX_CONCURRENT_RPCS", 8192, int),
-        help="calls in progress, every method (more: RESOURCE_EXHAUSTED)",
-    )
-    cap.add_argument(
-        "--max-connections",
-        type=int,
-        default=_env("MAX_CONNECTIONS", 1024, int),
-        help="open client connections (more are closed at once)",
-    )
-    cap.add_argument(
-        "--max-streams-per-connection",
-        type=int,
-        default=_env("MAX_STREAMS_PER_CONNECTION", 4096, int),
-        help="concurrent calls on one connection",
-    )
-    cap.add_argument(
-        "--receive-timeout",
-        type=float,
-        default=_env("RECEIVE_TIMEOUT_S", 30.0, float),
-        help="seconds for a call's request message to arrive (then DEADLINE_EXCEEDED)",
-    )
-    cap.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=_env("STREAM_IDLE_TIMEOUT_S", 300.0, float),
-        help="seconds a ForwardStream may go without a request before its requests end",
-    )
-    cap.add_argument(
-        "--connection-idle-timeout",
-        type=float,
-        default=_env("CONNECTION_IDLE_S", 600.0, float),
-        help="close connections without calls after this many seconds",
-    )
-    cap.add_argument(
-        "--max-connection-age",
-        type=float,
-        default=_env("MAX_CONNECTION_AGE_S", 0.0, float),
-        help="ask clients to reconnect after this many seconds (spreads them over replicas)",
-    )
-    cap.add_argument(
-        "--keepalive",
-        type=float,
-        default=_env("KEEPALIVE_S", 60.0, float),
-        help="ping quiet connections this often; close them when 20 s go without an answer",
-    )
+    for flag, env, kind, default, text in (
+        (
+            "--max-concurrent-rpcs",
+            "MAX_CONCURRENT_RPCS",
+            _int(0),
+            8192,
+            "calls in progress, every method (more: RESOURCE_EXHAUSTED)",
+        ),
+        (
+            "--max-connections",
+            "MAX_CONNECTIONS",
+            _int(0),
+            1024,
+            "open client connections (more are closed at once)",
+        ),
+        (
+            "--max-streams-per-connection",
+            "MAX_STREAMS_PER_CONNECTION",
+            _int(0),
+            4096,
+            "concurrent calls on one connection",
+        ),
+        (
+            "--receive-timeout",
+            "RECEIVE_TIMEOUT_S",
+            _float(0),
+            30.0,
+            "seconds for a call's request message to arrive (then DEADLINE_EXCEEDED)",
+        ),
+        (
+            "--stream-idle-timeout",
+            "STREAM_IDLE_TIMEOUT_S",
+            _float(0),
+            300.0,
+            "seconds a ForwardStream may go without a request before its requests end",
+        ),
+        (
+            "--connection-idle-timeout",
+            "CONNECTION_IDLE_S",
+            _float(0),
+            600.0,
+            "close connections without calls after this many seconds",
+        ),
+        (
+            "--max-connection-age",
+            "MAX_CONNECTION_AGE_S",
+            _float(0),
+            0.0,
+            "ask clients to reconnect after this many seconds (spreads them over replicas)",
+        ),
+        (
+            "--keepalive",
+            "KEEPALIVE_S",
+            _float(0),
+            60.0,
+            "ping quiet connections this often; close them when 20 s go without an answer",
+        ),
+    ):
+        o(flag, env=env, type=kind, default=default, help=text, group=cap)
     sec = p.add_argument_group("security")
-    sec.add_argument(
+    o(
         "--auth-token-file",
-        default=_env("AUTH_TOKEN_FILE"),
+        env="AUTH_TOKEN_FILE",
         help="bearer token file (else EXPERTD_AUTH_TOKEN; neither: no auth)",
+        group=sec,
     )
-    sec.add_argument("--tls-cert", default=_env("TLS_CERT"), help="server certificate (PEM)")
-    sec.add_argument("--tls-key", default=_env("TLS_KEY"), help="server private key (PEM)")
-    sec.add_argument(
-        "--tls-client-ca",
-        default=_env("TLS_CLIENT_CA"),
-        help="require client certs signed by this CA",
-    )
-    sec.add_argument(
+    o("--tls-cert", env="TLS_CERT", help="server certificate (PEM)", group=sec)
+    o("--tls-key", env="TLS_KEY", help="server private key (PEM)", group=sec)
+    o("--tls-client-ca", env="TLS_CLIENT_CA", help="require client certs from this CA", group=sec)
+    o(
         "--allow-client-shm",
+        env="ALLOW_CLIENT_SHM",
         action="store_true",
-        default=_env("ALLOW_CLIENT_SHM", False, lambda v: v.lower() in ("1", "true", "yes")),
+        default=False,
         help="let OIP clients register system / CUDA shared-memory regions for their tensors",
+        group=sec,
     )
 
 
@@ -172,18 +450,28 @@ def _resolve_device(name: str) -> str:
 
 
 def cmd_serve(args) -> int:
+    if bool(args.checkpoint) == bool(args.synthetic):
+        print(
+            "expertd serve: error: give exactly one of --checkpoint DIR or --synthetic PRESET",
+            file=sys.stderr,
+        )
+        return 2
+    if args.experts is None and args.shard >= args.num_shards:
+        print(
+            f"expertd serve: error: --shard {args.shard} is not below --num-shards "
+            f"{args.num_shards}",
+            file=sys.stderr,
+        )
+        return 2
+
+    import asyncio
+
     import torch
 
     from expertd.server.app import serve
     from expertd.server.config import ServerConfig, parse_expert_list
     from expertd.server.security import load_token
 
-    if bool(args.checkpoint) == bool(args.synthetic):
-        print(
-            "expertd serve: give exactly one of --checkpoint DIR or --synthetic PRESET",
-            file=sys.stderr,
-        )
-        return 2
     device = _resolve_device(args.device)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -231,6 +519,9 @@ def cmd_serve(args) -> int:
         tls_client_ca=args.tls_client_ca,
         allow_client_shm=args.allow_client_shm,
         metrics_port=args.metrics_port,
+        metrics_listen=args.metrics_listen,
+        metrics_created=args.metrics_created,
+        trace=args.trace,
         health_listen=args.health_listen,
     )
 
@@ -256,40 +547,230 @@ def cmd_make_checkpoint(args) -> int:
     return 0
 
 
+# ---- client-side commands: describe, health ----------------------------------------------
+
+
+def _client_options(p: Parser, what: str) -> None:
+    """TLS and auth for a command that calls a server (plaintext and no token by default)."""
+    g = p.add_argument_group("connecting (when the server has TLS or auth on)")
+    g.add_argument("--tls-ca", metavar="PEM", help=f"connect with TLS, trusting this CA {what}")
+    g.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
+    g.add_argument(
+        "--tls-server-name", metavar="NAME", help="the name the server certificate must carry"
+    )
+
+
+def _quiet_grpc() -> None:
+    """gRPC core's own log lines (a failed TLS handshake, at INFO) would add lines to a
+    command's one-line answer; keep them to errors unless the user asked for more."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+def _channel(args, address: str):
+    import grpc
+
+    if not args.tls_ca:
+        return grpc.insecure_channel(address)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("give both --tls-cert and --tls-key, or neither")
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(
+        read(args.tls_ca),
+        read(args.tls_key) if args.tls_key else None,
+        read(args.tls_cert) if args.tls_cert else None,
+    )
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)]
+    return grpc.secure_channel(address, creds, options if args.tls_server_name else None)
+
+
+def _rpc_failure(address: str, error) -> str:
+    line = f"{address}: {error.code().name}: {error.details()}"
+    if os.environ.get(f"{ENV_PREFIX}TLS_CERT") and error.code().name == "UNAVAILABLE":
+        line += (
+            " (the server has TLS on: probe its plaintext --health-listen / "
+            "EXPERTD_HEALTH_LISTEN port, or pass --tls-ca)"
+        )
+    return line
+
+
+def ranges(ids) -> str:
+    """Sorted integers as ranges: [0, 1, 2, 3, 7, 9, 10] -> '0-3,7,9-10'."""
+    out: list[str] = []
+    ids = sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out) or "none"
+
+
+def describe_summary(address: str, reply) -> list[str]:
+    """Lines that say what one server serves (experts and layers as ranges)."""
+    dataplanes = ", ".join(reply.dataplanes) or "none"
+    return [
+        f"{address}: expertd {reply.version}, backend {reply.backend} on {reply.device}, "
+        f"model {reply.model}",
+        f"  shard {reply.shard_index}/{reply.num_shards}: experts {ranges(reply.experts)} "
+        f"({len(reply.experts)} of {reply.num_experts}), layers {ranges(reply.layers)}",
+        f"  H {reply.hidden_size}, I {reply.intermediate_size}, top_k {reply.top_k or 'any'}, "
+        f"weights {reply.weight_dtype}, up to {reply.max_tokens_per_request} tokens a request, "
+        f"dataplanes: {dataplanes}",
+    ]
+
+
+def coverage(replies) -> str:
+    """Which layer's experts the servers together leave uncovered, in one line."""
+    num_experts = max(r.num_experts for r in replies)
+    layers = sorted({layer for r in replies for layer in r.layers})
+    missing = {}
+    for layer in layers:
+        have = {e for r in replies if layer in r.layers for e in r.experts}
+        gap = sorted(set(range(num_experts)) - have)
+        if gap:
+            missing[layer] = gap
+    if not missing:
+        return f"together: all {num_experts} experts of layers {ranges(layers)}"
+    return "together: missing " + "; ".join(
+        f"layer {layer}: experts {ranges(gap)}" for layer, gap in missing.items()
+    )
+
+
 def cmd_describe(args) -> int:
+    _quiet_grpc()
     import grpc
 
     from expertd.v1 import expertd_pb2 as pb
     from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
+    metadata = ()
+    token = os.environ.get(f"{ENV_PREFIX}AUTH_TOKEN")
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read()
+    if token and token.strip():
+        metadata = (("authorization", f"Bearer {token.strip()}"),)
+    replies, failed = [], 0
     for address in args.addresses:
-        with grpc.insecure_channel(address) as channel:
-            reply = pb_grpc.ExpertServiceStub(channel).Describe(
-                pb.DescribeRequest(), timeout=args.timeout
-            )
-        print(f"{address}: {reply}")
-    return 0
+        try:
+            with _channel(args, address) as channel:
+                reply = pb_grpc.ExpertServiceStub(channel).Describe(
+                    pb.DescribeRequest(), timeout=args.timeout, metadata=metadata
+                )
+        except grpc.RpcError as e:
+            print(_rpc_failure(address, e), file=sys.stderr)
+            failed += 1
+            continue
+        replies.append(reply)
+        if args.full:
+            print(f"{address}: {reply}")
+        else:
+            print("\n".join(describe_summary(address, reply)))
+    if len(replies) > 1 and not args.full:
+        print(coverage(replies))
+    return 1 if failed else 0
+
+
+def health_address(explicit: str | None) -> str:
+    """Where `expertd health` looks without an address: EXPERTD_HEALTH_LISTEN (the plaintext
+    health port, there when TLS is on), else EXPERTD_LISTEN, else serve's default; a wildcard
+    host is reached on loopback."""
+    if explicit:
+        return explicit
+    address = (
+        os.environ.get(f"{ENV_PREFIX}HEALTH_LISTEN")
+        or os.environ.get(f"{ENV_PREFIX}LISTEN")
+        or DEFAULT_LISTEN
+    )
+    if address.startswith("unix"):
+        return address
+    host, _, port = address.rpartition(":")
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::', '') else host}:{port}"
 
 
 def cmd_health(args) -> int:
     """Exit 0 when the server answers SERVING on grpc.health.v1: a container health check."""
+    _quiet_grpc()
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    address = args.address
-    if address is None:  # the address this container serves on, reached from inside it
-        host, _, port = _env("LISTEN", "127.0.0.1:50051").rpartition(":")
-        address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+    address = health_address(args.address)
+    if address.endswith(":0"):
+        print(f"expertd health: error: {address}: port 0 is not an address", file=sys.stderr)
+        return 2
     request = health_pb2.HealthCheckRequest(service=args.service)
-    with grpc.insecure_channel(address) as channel:
+    with _channel(args, address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"{address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(_rpc_failure(address, e), file=sys.stderr)
             return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{address}: {name}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+# ---- local services: cluster, demo; kernels ----------------------------------------------
+
+
+def _cluster_parser(sub) -> None:
+    p = sub.add_parser(
+        "cluster",
+        help="start and supervise N local shards",
+        description="Start N local `expertd serve` shards, restart any that dies, stop them "
+        "together (SIGTERM or Ctrl-C drains).",
+    )
+    o = p.option
+    src = p.add_argument_group("weights (one of)")
+    o("--checkpoint", help="NVFP4 safetensors dir", group=src)
+    o(
+        "--synthetic",
+        metavar="PRESET",
+        choices=("small", "muse-spark"),
+        help="small | muse-spark",
+        group=src,
+    )
+    o("--layers", type=_int(1), help="layers to serve", shown="all", group=src)
+    o("--seed", type=_int(0), default=0, help="synthetic weights' seed", group=src)
+    o("--shards", type=_int(1), default=8, help="number of shard servers")
+    o("--gpus", help="e.g. 0,1,2,3: shard s uses GPU gpus[s %% len]", shown="none")
+    o("--device", type=_device, default="auto", help="without --gpus: cpu | cuda | auto")
+    o("--host", default="127.0.0.1", help="address the shards listen on")
+    o("--base-port", type=_PORT, default=0, help="shard s listens on base+s (0: free ports)")
+    o("--grace", type=_float(0), default=30.0, help="each shard's drain on stop, s")
+    o("--startup-timeout", type=_float(0), default=900.0, help="until all SERVING, s")
+    o("--torch-threads", type=_int(1), help="per shard", shown="cores / shards")
+    o("--log-level", type=_log_level, default="INFO", help="the shards' and the cluster's")
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a local 8-shard service and check it",
+        description="Start a local N-shard service, call it with the real client at a few "
+        "batch sizes, check every result against the reference, stop it.",
+    )
+    o = p.option
+    o("--shards", type=_int(1), default=8, help="shard servers")
+    o(
+        "--preset",
+        choices=("small", "muse-spark", "auto"),
+        default="auto",
+        help="small | muse-spark | auto (GPU: muse-spark)",
+    )
+    o("--layers", type=_int(1), help="layers", shown="2 (small), 1 (muse-spark)")
+    o("--seed", type=_int(0), default=0, help="synthetic weights' seed")
+    o("--device", type=_device, default="auto", help="cpu | cuda | auto")
+    o("--batch-sizes", type=_int_list, default="1,7,64,512", help="comma-separated token counts")
+    o("--repeats", type=_int(1), default=5, help="calls per size (the median is shown)")
+    o("--log-level", type=_log_level, default="WARNING", help="the demo's own log level")
 
 
 def cmd_cluster(args) -> int:
@@ -304,40 +785,96 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_build_kernels(args) -> int:
+    if args.cache:
+        os.environ["EXPERTD_KERNEL_CACHE"] = args.cache
+    from expertd.kernels.build import main as build_main
+
+    return build_main()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertd", description=__doc__.splitlines()[0])
+    parser = Parser(
+        prog="expertd",
+        description=__doc__.split("\n\n")[0]
+        + "\n\n`expertd COMMAND --help` lists a command's options, their defaults and variables.",
+    )
     parser.add_argument("--version", action="version", version=f"expertd {expertd.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic NVFP4 checkpoint")
-    mk.add_argument("dir")
-    mk.add_argument("--preset", default="small", choices=["small", "muse-spark"])
-    mk.add_argument("--layers", type=int, default=2)
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("--prefix", default="model.")
+    mk.add_argument("dir", help="directory to write (created)")
+    mk.option("--preset", default="small", choices=["small", "muse-spark"], help="model shape")
+    mk.option("--layers", type=_int(1), default=2, help="layers")
+    mk.option("--seed", type=_int(0), default=0, help="weights' seed")
+    mk.option("--prefix", default="model.", help="tensor-name prefix")
 
-    ds = sub.add_parser("describe", help="ask shard servers what they serve")
-    ds.add_argument("addresses", nargs="+")
-    ds.add_argument("--timeout", type=float, default=5.0)
+    ds = sub.add_parser(
+        "describe",
+        help="ask shard servers what they serve",
+        description="Ask shard servers what they serve (Describe): one summary each, experts "
+        "and layers as ranges, then whether together they cover every expert.",
+    )
+    ds.add_argument("addresses", nargs="+", type=_address, metavar="ADDRESS")
+    ds.option("--timeout", type=_float(0), default=5.0, help="seconds per server")
+    ds.option("--full", action="store_true", default=False, help="print the whole reply")
+    ds.option(
+        "--auth-token-file",
+        env="AUTH_TOKEN_FILE",
+        help="bearer token file (else EXPERTD_AUTH_TOKEN)",
+    )
+    _client_options(ds, "(the server's certificate's)")
 
-    hc = sub.add_parser("health", help="exit 0 if a server reports SERVING (grpc.health.v1)")
-    hc.add_argument("address", nargs="?", help="default: EXPERTD_LISTEN, wildcard as 127.0.0.1")
-    hc.add_argument("--service", default="", help="health service name ('' = the server)")
-    hc.add_argument("--timeout", type=float, default=3.0)
+    hc = sub.add_parser(
+        "health",
+        help="exit 0 if a server reports SERVING (grpc.health.v1)",
+        description="Exit 0 when the server answers SERVING on grpc.health.v1, 1 otherwise: "
+        "the container's health check. Without an address it probes "
+        "EXPERTD_HEALTH_LISTEN (the plaintext health port, for servers with TLS on), else "
+        f"EXPERTD_LISTEN, else {DEFAULT_LISTEN} (serve's default); a wildcard host "
+        "(0.0.0.0, [::]) is reached on 127.0.0.1.",
+    )
+    hc.add_argument(
+        "address",
+        nargs="?",
+        type=_address,
+        help="HOST:PORT [default: EXPERTD_HEALTH_LISTEN, else EXPERTD_LISTEN, else "
+        f"{DEFAULT_LISTEN}]",
+    )
+    hc.option("--service", default="", help="health service name ('' = the server)")
+    hc.option("--timeout", type=_float(0), default=3.0, help="seconds")
+    _client_options(hc, "(only for the main port with TLS on)")
 
-    from expertd.cluster import add_cluster_arguments
+    _cluster_parser(sub)
+    _demo_parser(sub)
 
-    add_cluster_arguments(sub.add_parser("cluster", help="start and supervise N local shards"))
-
-    from expertd.demo import add_demo_arguments
-
-    add_demo_arguments(sub.add_parser("demo", help="run a local 8-shard service and check it"))
+    bk = sub.add_parser(
+        "build-kernels",
+        help="compile the CUDA kernel library now (nvcc) and print its path",
+        description="Compile the CUDA kernels (sm_90a, for H100/H200) into the kernel cache, "
+        "once, and print the library's path; shard servers then load it instead of compiling. "
+        "Needs nvcc (EXPERTD_NVCC, $CUDA_HOME/bin, PATH), not a GPU. Processes that build at "
+        "once wait for the first. Progress goes to stderr.",
+    )
+    bk.option(
+        "--cache",
+        env="KERNEL_CACHE",
+        help="the kernel cache directory",
+        shown="~/.cache/expertd/kernels",
+    )
     return parser
 
 
 # What `expertd[server]` adds to the client-only install (pyproject.toml).
 SERVER_PACKAGES = {"torch", "grpc_health", "grpc_reflection", "safetensors", "prometheus_client"}
+
+
+def env_variables() -> set[str]:
+    """Every EXPERTD_* variable an option of some command falls back to."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {env for p in sub.choices.values() for _, env, *_ in p._fallbacks if env}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,6 +901,7 @@ def _main(argv: list[str] | None) -> int:
         "demo": cmd_demo,
         "health": cmd_health,
         "cluster": cmd_cluster,
+        "build-kernels": cmd_build_kernels,
     }[args.command]
     try:
         return handler(args)

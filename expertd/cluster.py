@@ -14,7 +14,6 @@ start (restarts too), `ADDRESSES a,b,...` once all are bound, `SERVING` once all
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -36,25 +35,6 @@ log = logging.getLogger("expertd.cluster")
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
 BACKOFF_S = (1.0, 30.0)  # first and largest wait before restarting a dead shard
 STABLE_S = 60.0  # a shard up this long has its backoff reset
-
-
-def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_argument_group("weights (one of)")
-    src.add_argument("--checkpoint", help="NVFP4 safetensors dir")
-    src.add_argument("--synthetic", metavar="PRESET", help="small | muse-spark")
-    src.add_argument("--layers", type=int)
-    src.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards", type=int, default=8, help="number of shard servers")
-    p.add_argument("--gpus", help="e.g. 0,1,2,3: shard s uses GPU gpus[s %% len]")
-    p.add_argument("--device", default="auto", help="without --gpus: cpu | cuda | auto")
-    p.add_argument("--host", default="127.0.0.1", help="address the shards listen on")
-    p.add_argument(
-        "--base-port", type=int, default=0, help="shard s listens on base+s (0: free ports)"
-    )
-    p.add_argument("--grace", type=float, default=30.0, help="each shard's drain on stop, s")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="until all SERVING, s")
-    p.add_argument("--torch-threads", type=int, help="per shard (default: cores / shards)")
-    p.add_argument("--log-level", default="INFO")
 
 
 @dataclass

@@ -40,6 +40,7 @@ _REQUEST_FIELDS = (
     "topk_ids",
     "topk_weights",
     "trace_id",
+    "traceparent",
 )
 
 
@@ -65,6 +66,7 @@ class ForwardRequestView:
         self.trace_id = ""
         self.instance_id = ""
         self.timeout_us = 0
+        self.traceparent = ""
         self.hidden_states = self.topk_ids = self.topk_weights = None
 
     def HasField(self, name: str) -> bool:  # protobuf's name, so both kinds read alike
@@ -77,6 +79,10 @@ class ForwardRequestView:
 MAX_FIELDS = 1024  # fields read in one message: sub-messages, groups and packed entries included
 MAX_REPEATED = 64  # entries of one repeated number field (a tensor's shape: its rank)
 MAX_DEPTH = 100  # nesting of sub-messages and groups; protobuf's own recursion limit
+# Entries of one repeated number field of a message that holds a tensor's values (the
+# OIP's typed contents, see check_limits): a packed run protobuf reads in one pass.
+MAX_TENSOR_VALUES = 1 << 20
+_TERMINATORS = bytes(range(0x80))  # the last byte of every varint
 _MASK64 = (1 << 64) - 1
 
 
@@ -262,46 +268,52 @@ def _schema(descriptor) -> dict[int, tuple]:
 _BLOBS = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
 
 
-def check_limits(data, descriptor) -> None:
+def check_limits(data, descriptor, values: frozenset[str] = frozenset()) -> None:
     """Raise MessageLimitError if protobuf, reading `data` as a `descriptor` message,
     would read more than MAX_FIELDS fields, MAX_REPEATED entries of one repeated
     number field or MAX_DEPTH levels. Bytes that are no message end the walk: the
     parse that follows refuses them. Costs at most MAX_FIELDS steps, whatever the
-    size of `data`, after which protobuf's own parse is bounded too."""
+    size of `data`, after which protobuf's own parse is bounded too.
+
+    `values`: full names of messages whose repeated number fields hold a tensor's
+    values. There a packed run counts as one field (protobuf reads it in one pass,
+    as it reads a bytes field) and may hold up to MAX_TENSOR_VALUES entries."""
     buf = memoryview(data)
     try:
-        _walk(buf, descriptor, _Budget(), 0)
+        _walk(buf, descriptor, _Budget(), 0, values)
     except MessageLimitError:
         raise
     except DecodeError:
         return
 
 
-def _walk(buf: memoryview, descriptor, budget: _Budget, depth: int) -> None:
+def _walk(buf: memoryview, descriptor, budget: _Budget, depth: int, values: frozenset[str]) -> None:
     schema = _schema(descriptor)
+    tensor = descriptor.full_name in values
+    limit = MAX_TENSOR_VALUES if tensor else MAX_REPEATED
     counts: dict[int, int] = {}
     for number, wire, value in _fields(buf, 0, len(buf), budget, depth):
         sub, width, name = schema.get(number, (None, None, ""))
         if sub is not None and wire == 2:
-            _walk(value, sub, budget, _deeper(depth))
+            _walk(value, sub, budget, _deeper(depth), values)
         elif width is not None:
             if wire == 2:  # a packed run
                 if width:
                     n = len(value) // width
-                elif len(value) > 10 * MAX_REPEATED:
-                    n = MAX_REPEATED + 1  # that many bytes hold more varints than that
+                elif len(value) > 10 * limit:
+                    n = limit + 1  # that many bytes hold more varints than that
                 else:
-                    n = sum(1 for byte in value if byte < 0x80)
+                    n = len(value) - len(bytes(value).translate(None, _TERMINATORS))
             elif wire == (0 if width == 0 else 1 if width == 8 else 5):
                 n = 1
             else:
                 continue  # another wire type: an unknown field
             counts[number] = counts.get(number, 0) + n
-            if counts[number] > MAX_REPEATED:
+            if counts[number] > limit:
                 raise MessageLimitError(
-                    f"field {name!r} has more than {MAX_REPEATED} entries (limit {MAX_REPEATED})"
+                    f"field {name!r} has more than {limit} entries (limit {limit})"
                 )
-            budget.spend(n)
+            budget.spend(1 if tensor and wire == 2 else n)
 
 
 def _text(value) -> str:
@@ -330,6 +342,8 @@ def parse_forward_request(data: bytes) -> ForwardRequestView:
             req.instance_id = _text(value)
         elif number == 8 and wire == 0:
             req.timeout_us = value
+        elif number == 9 and wire == 2:
+            req.traceparent = _text(value)
     return req
 
 
@@ -430,6 +444,7 @@ class ForwardRequestOut:
         self.trace_id = ""
         self.instance_id = ""
         self.timeout_us = 0
+        self.traceparent = ""
 
 
 def _tensor_parts(number: int, dtype: int, shape, payload) -> list:
@@ -471,5 +486,6 @@ def serialize_forward_request(request) -> bytes:
         _string(6, request.trace_id),
         _string(7, request.instance_id),
         _scalar(8, request.timeout_us),
+        _string(9, request.traceparent),
     ]
     return b"".join(parts)

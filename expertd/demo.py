@@ -26,17 +26,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXPERTD_CACHE_DIR") or Path.home() / ".cache" / "expertd")
 
 
-def add_demo_arguments(p) -> None:
-    p.add_argument("--shards", type=int, default=8)
-    p.add_argument("--preset", default="auto", help="small | muse-spark | auto (GPU: muse-spark)")
-    p.add_argument("--layers", type=int, default=None, help="default: 2 (small), 1 (muse-spark)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    p.add_argument("--batch-sizes", default="1,7,64,512", help="comma-separated token counts")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--log-level", default="WARNING", help="the demo's own log level")
-
-
 def random_routing(m: int, num_experts: int, top_k: int, gen: torch.Generator):
     """Top-k routing as a router makes it: k distinct experts per token, softmax
     weights; about 1 route in 50 is -1 ("no route")."""

@@ -1,8 +1,8 @@
 """Start shard servers as local subprocesses and wait until they serve.
 
 Used by `expertd cluster` and `expertd demo` (and by tests and benchmarks that
-need real processes): each child is `python -m expertd serve ... --listen
-127.0.0.1:0`; it prints one line `LISTENING <address>` once bound, and reports
+need real processes): each child is `python -m expertd serve ...`, on a free loopback
+port unless told otherwise; it prints one line `LISTENING <address>` once bound, and reports
 SERVING on grpc.health.v1 once its experts are loaded.
 """
 
@@ -38,15 +38,15 @@ def _pump(stream, sink: list[str]) -> None:
 
 
 def start_shard(serve_args: list[str], env: dict[str, str] | None = None) -> ShardProcess:
-    """Start `expertd serve <serve_args>` and return once it printed its address."""
-    cmd = [sys.executable, "-m", "expertd", "serve", *serve_args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-    )
+    """Start `expertd serve <serve_args>` and return once it printed its address.
+
+    Without --listen (in the args or EXPERTD_LISTEN) the child takes a free loopback port,
+    not serve's fixed default, so shards started side by side never collide."""
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    named = env.get("EXPERTD_LISTEN") or any(a.split("=")[0] == "--listen" for a in serve_args)
+    free_port = [] if named else ["--listen", "127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "expertd", "serve", *serve_args, *free_port]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     shard = ShardProcess(serve_args, proc)
     threading.Thread(target=_pump, args=(proc.stderr, shard.log), daemon=True).start()
     for line in proc.stdout:

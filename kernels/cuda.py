@@ -1,7 +1,8 @@
 """The `cuda` backend: our CUDA kernels (kernels/csrc/moe_nvfp4.cu) through a C ABI and ctypes.
 
 Importing this module needs neither nvcc nor a GPU: the library is built (ninja + nvcc, see
-kernels/build.py) and loaded on first use. The forward makes no host sync and, once the
+kernels/build.py; once, under a lock) and loaded on first use, or loaded from EXPERTD_KERNEL_LIB.
+The backend refuses a GPU whose compute capability is not 9.0 (the library is sm_90a). The forward makes no host sync and, once the
 workspace is large enough, no device allocation of its own, so it can be captured in a CUDA
 graph (`GraphedForward` does that for a fixed token count).
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from expertd.kernels.backend import register_backend
+from expertd.kernels.build import capability_problem
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.repack import PackedProjection, repack_down, repack_gate_up
 
@@ -197,6 +199,10 @@ class CudaBackend:
             raise ValueError(f"the cuda backend runs on a cuda device, not {self.device}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        where = f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        why = capability_problem(where, torch.cuda.get_device_capability(self.device))
+        if why:  # sm_90a code on another GPU fails at the first launch, less clearly
+            raise ValueError(f"backend cuda: {why}")
         self.max_tokens = max_tokens
         self._workspace: torch.Tensor | None = None
         self._lib = load_library() if library is None else open_library(library)

@@ -1,4 +1,5 @@
-"""Assembling and running a shard server: our service, grpc.health.v1, reflection.
+"""Assembling and running a shard server: our service, the Open Inference Protocol,
+grpc.health.v1, reflection (v1 and v1alpha).
 
 The server binds first (port 0 allowed) and answers health NOT_SERVING while it
 loads; it reports SERVING once every layer is resident, and NOT_SERVING again
@@ -21,12 +22,12 @@ import threading
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf import descriptor_pool
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_health.v1 import health_pb2_grpc
 
+from expertd import tracing
 from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
+from expertd.server import reflection
 from expertd.server.bank import ExpertBank, WeightSource
 from expertd.server.batcher import BatchPolicy
 from expertd.server.config import ServerConfig
@@ -59,6 +60,7 @@ class RunningServer:
     port: int
     metrics: Metrics
     metrics_port: int | None = None
+    metrics_host: str | None = None
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     health_port: int | None = None
     inference: InferenceServicer | None = None  # the OIP service (holds shared-memory regions)
@@ -66,7 +68,7 @@ class RunningServer:
 
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, OIP_SERVICE_NAME):
             await self.health.set(name, status)
 
     async def attach(self, bank: ExpertBank, runner: BatchRunner) -> None:
@@ -91,16 +93,6 @@ class RunningServer:
         self.metrics.close()
         if self.trimmer is not None:
             await self.trimmer.stop()
-
-
-def reflection_pool() -> descriptor_pool.DescriptorPool:
-    """Every served proto file in one pool, for reflection. The OIP stubs keep their
-    descriptors out of protobuf's default pool (scripts/gen_proto.sh), where reflection
-    would otherwise look."""
-    pool = descriptor_pool.DescriptorPool()
-    for module in (pb, oip, health_pb2, reflection_pb2):
-        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
-    return pool
 
 
 def message_limits(config: ServerConfig, hidden_size: int) -> tuple[Limits, list[tuple[str, int]]]:
@@ -208,7 +200,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         interceptors=interceptors,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
     )
-    metrics = Metrics()
+    metrics = Metrics(created=config.metrics_created)
     servicer = ExpertServicer(
         limits,
         batch_policy(config),
@@ -222,11 +214,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
-        server,
-        pool=reflection_pool(),
-    )
+    reflection.enable((SERVICE_NAME, OIP_SERVICE_NAME, HEALTH_SERVICE_NAME), server)
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     if credentials is None:
         port = server.add_insecure_port(config.listen)
@@ -239,8 +227,10 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         server, servicer, health_servicer, _bound(config.listen, port), port, metrics
     )
     running.inference = inference
-    if config.metrics_port is not None:
-        running.metrics_port = metrics.serve(config.metrics_port)
+    where = metrics_address(config)
+    if where is not None:
+        running.metrics_host = where[0]
+        running.metrics_port = metrics.serve(where[1], where[0])
     if config.health_listen:
         # Kubernetes' gRPC probes and most health checkers speak plaintext only: with TLS
         # on the main port, serve grpc.health.v1 (and nothing else) here in the clear.
@@ -256,6 +246,25 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     running.trimmer.start()
     await running.set_serving(False)
     return running
+
+
+def metrics_address(config: ServerConfig) -> tuple[str, int] | None:
+    """(host, port) for /metrics, or None: off. `metrics_listen` HOST:PORT, or "off";
+    else `metrics_port` on the serving host (a unix socket's server: 127.0.0.1), so
+    the metrics are exposed no wider than the service itself."""
+    listen = config.metrics_listen
+    if listen is not None and listen.strip().lower() == "off":
+        return None
+    if listen:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"metrics address {listen!r}: want HOST:PORT or off")
+        return host.strip("[]") or "0.0.0.0", int(port)
+    if config.metrics_port is None:
+        return None
+    if config.listen.startswith("unix:"):
+        return "127.0.0.1", config.metrics_port
+    return config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0", config.metrics_port
 
 
 def _bound(listen: str, port: int) -> str:
@@ -312,7 +321,9 @@ def security_posture(config: ServerConfig, running: RunningServer) -> tuple[int,
         tls = "mutual (client certificates required)" if config.tls_client_ca else "on"
     metrics = "off"
     if running.metrics_port is not None:
-        metrics = f"0.0.0.0:{running.metrics_port} (plaintext, no auth)"
+        host = running.metrics_host
+        host = f"[{host}]" if ":" in host else host
+        metrics = f"{host}:{running.metrics_port} (plaintext, no auth)"
     health = "off"
     if running.health_server is not None:
         health = f"{_bound(config.health_listen, running.health_port)} (plaintext)"
@@ -343,6 +354,20 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        metrics_address(config)  # a bad address or tracing spec: say so, exit 2
+        if tracing.configure(config.trace):
+            log.info("tracing on (%s)", config.trace or os.environ.get(tracing.ENV))
+    except (ValueError, RuntimeError) as e:
+        log.error("%s", e)
+        return 2
+    try:
+        return await _serve(config, stop, on_listening)
+    finally:
+        tracing.shutdown()  # spans still held are exported
+
+
+async def _serve(config: ServerConfig, stop: asyncio.Event, on_listening) -> int:
     source = WeightSource(config)
     running = await start(config, source.shape[0])
     log.info("listening on %s (loading %s)", running.address, config.source())
@@ -373,6 +398,7 @@ async def serve(config: ServerConfig, on_listening=None) -> int:
     await running.drain_and_stop(config.grace_s, delay_s)
     if not loader.done():
         log.info("stopped while loading")
+        tracing.shutdown()
         _exit_now(0)
     log.info("stopped")
     return 0

@@ -4,7 +4,6 @@ backend and kept resident, plus the shapes the service describes."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 from expertd.kernels.backend import Backend
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.lookup import create_backend, default_backend_name
+from expertd.progress import Progress
 from expertd.server.config import ServerConfig, parse_expert_list, shard_experts
 
 log = logging.getLogger("expertd.server")
@@ -93,7 +93,9 @@ class ExpertBank:
                 raise ValueError(f"--experts {experts[0]}..{experts[-1]} outside [0, {e})")
         else:
             experts = shard_experts(e, config.shard, config.num_shards)
-        report = progress or _default_progress()
+        # Reading and the backend's repacking (NVFP4 layouts on a GPU), layer by layer:
+        # a bar on a terminal, log lines otherwise (expertd/progress.py).
+        bar = Progress(f"loading {backend.name} experts", len(source.layers), log=log)
         states: dict[int, Any] = {}
         loaded = 0
         start = time.perf_counter()
@@ -102,14 +104,18 @@ class ExpertBank:
             loaded += shard_layer.nbytes()
             states[layer] = backend.prepare(shard_layer)
             del shard_layer
-            report(
+            if progress is None:
+                bar.update(
+                    n, f"loaded layer {layer} ({len(experts)} experts, {loaded / 2**20:.1f} MiB)"
+                )
+                continue
+            progress(
                 f"loaded layer {layer} ({n}/{len(source.layers)}): {len(experts)} experts, "
                 f"{loaded / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s"
             )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if progress is None and sys.stderr.isatty():
-            sys.stderr.write("\n")
+        bar.close()
         info = ModelInfo(h, i, e, top_k, tuple(source.layers), tuple(experts), config.source())
         return cls(backend, info, states)
 
@@ -119,18 +125,6 @@ class ExpertBank:
     def state(self, layer: int):
         """The backend's resident state of `layer`."""
         return self._states[layer]
-
-
-def _default_progress() -> Callable[[str], None]:
-    """A live line on a terminal, log lines otherwise."""
-    if sys.stderr.isatty():
-
-        def show(msg: str) -> None:
-            sys.stderr.write("\r\033[K" + msg)
-            sys.stderr.flush()
-
-        return show
-    return log.info
 
 
 __all__ = ["ExpertBank", "ModelInfo", "WeightSource", "parse_expert_list"]

@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 import torch
 
+from expertd import tracing
 from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner, Flight
@@ -69,6 +70,7 @@ class Job:
     # (server/slots.py) that takes the output rows and the timing on the finisher's
     # thread and wakes its client there; the future then gets SENT.
     sink: Any = None
+    traceparent: str = ""  # the caller's span (W3C), when it sent one
     tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -312,6 +314,7 @@ class Batcher:
     def _finish(self, jobs: list[Job], flight: Flight, started: int):
         """Wait for the batch's results, then one serialized response (or error) per
         job, written straight from the slot's output buffer; frees the slot."""
+        done = []  # per job: when its answer was ready (perf_counter_ns), 0 if refused
         try:
             result = flight.wait()
             computed = time.perf_counter_ns()
@@ -324,6 +327,7 @@ class Batcher:
                     error, cause = _not_finite(job.args, result.out_bytes[row : row + rows])
                     self.metrics.nonfinite.labels(cause).inc()
                     results.append(error)
+                    done.append(0)
                 else:
                     timing = pb.Timing(
                         queue_us=(started - job.received_ns) // 1000,
@@ -338,12 +342,14 @@ class Batcher:
                     if job.sink is not None:  # into the client's slot, and ring it
                         job.sink.write_output(payload, _timing_fields(timing))
                         results.append(SENT)
+                        done.append(time.perf_counter_ns())
                         row += rows
                         continue
                     shape = (rows, self.runner.hidden)
                     results.append(
                         encode_forward_response(job.request_id, pb.BF16, shape, payload, timing)
                     )
+                    done.append(time.perf_counter_ns())
                 row += rows
         finally:
             flight.release()
@@ -353,9 +359,39 @@ class Batcher:
         m.tokens.inc(row)
         m.compute_seconds.observe((computed - started) / 1e9)
         m.encode_seconds.observe((time.perf_counter_ns() - computed) / 1e9)
-        for job in jobs:
+        out_row_bytes = 2 * self.runner.hidden
+        for job, ready in zip(jobs, done, strict=True):
             m.queue_seconds.observe((started - job.received_ns) / 1e9)
+            if ready:
+                a = job.args
+                m.request_seconds.observe((ready - job.received_ns) / 1e9)
+                m.request_bytes.observe(a.x.nbytes + a.ids.nbytes + a.weights.nbytes)
+                m.response_bytes.observe(job.tokens * out_row_bytes)
+        if tracing.active():
+            _record_spans(jobs, done, started, computed, stage)
         return results
+
+
+def _record_spans(jobs: list[Job], done: list[int], started: int, computed: int, stage: int):
+    """Each answered request's server spans, from the times measured above: request
+    (received -> answer ready; a child of the caller's span when it sent one), and
+    within it queue, forward (the merged batch) and encode."""
+    batch = {
+        "expertd.batch_requests": len(jobs),
+        "expertd.batch_tokens": sum(j.tokens for j in jobs),
+        "expertd.stage_us": stage // 1000,
+    }
+    for job, ready in zip(jobs, done, strict=True):
+        if not ready:
+            continue
+        attrs = {"expertd.layer": job.args.layer, "expertd.tokens": job.tokens}
+        if job.sink is not None:
+            attrs["expertd.transport"] = "slot"
+        parent = tracing.parent_context(job.traceparent)
+        span = tracing.record("expertd.server.request", job.received_ns, ready, parent, attrs)
+        tracing.record("expertd.server.queue", job.received_ns, started, span)
+        tracing.record("expertd.server.forward", started, computed, span, batch)
+        tracing.record("expertd.server.encode", computed, ready, span)
 
 
 def _timing_fields(timing: pb.Timing) -> dict:

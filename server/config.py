@@ -59,6 +59,10 @@ class ServerConfig:
     allow_client_shm: bool = False
     # Observability.
     metrics_port: int | None = None  # Prometheus /metrics on this port (None: off)
+    # HOST:PORT for /metrics (overrides metrics_port's host, the serving host), or "off"
+    metrics_listen: str | None = None
+    metrics_created: bool = False  # also serve the *_created series of counters, histograms
+    trace: str | None = None  # tracing (expertd/tracing.py): off, on, console, otlp, jsonl:PATH
     health_listen: str | None = None  # extra plaintext grpc.health.v1-only address
 
     def source(self) -> str:

@@ -33,6 +33,9 @@ log = logging.getLogger("expertd.server")
 
 # Parsers that bound their own work (expertd/codec.py): used as they are.
 BOUNDED = frozenset({parse_forward_request})
+# Messages whose repeated number fields are a tensor's values (the Open Inference
+# Protocol's typed contents): bounded by codec.MAX_TENSOR_VALUES, not MAX_REPEATED.
+TENSOR_VALUES = frozenset({"inference.InferTensorContents"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ def bounded_parser(deserializer):
         return deserializer
 
     def parse(data: bytes):
-        check_limits(data, descriptor)
+        check_limits(data, descriptor, TENSOR_VALUES)
         return deserializer(data)
 
     return parse

@@ -1,14 +1,30 @@
 """Prometheus metrics of one shard server (its own registry, so several servers
-can live in one process), served on an HTTP port when asked."""
+can live in one process), served on an HTTP port when asked.
+
+The registry also holds the standard process_* and python_* collectors (a scrape
+of several servers in one process reports that process in each). Counters and
+histograms carry no *_created series unless asked (`created=True`): a sample per
+series that dashboards never read."""
 
 from __future__ import annotations
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 _TOKEN_BUCKETS = tuple(2.0**i for i in range(15))  # 1 .. 16384
 _SECONDS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+_BYTES = tuple(4.0**i for i in range(5, 16))  # 1 KiB .. 1 GiB
 
 
 class _DeviceMemory:
@@ -27,9 +43,32 @@ class _DeviceMemory:
         yield family
 
 
+class _Exposition:
+    """What /metrics serves: the registry, less the *_created samples (unless kept)."""
+
+    def __init__(self, registry: CollectorRegistry, created: bool) -> None:
+        self.registry = registry
+        self.created = created
+
+    def collect(self):
+        for family in self.registry.collect():
+            if self.created or not any(s.name.endswith("_created") for s in family.samples):
+                yield family
+                continue
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield kept
+
+    def restricted_registry(self, names):  # /metrics?name[]=...
+        return _Exposition(self.registry.restricted_registry(names), self.created)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, created: bool = False) -> None:
         r = self.registry = CollectorRegistry()
+        self.created = created  # serve the *_created series too
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)  # the process's standard series, as the default registry
         self.requests = Counter(
             "expertd_requests", "Requests by method and status code", ["method", "code"], registry=r
         )
@@ -69,6 +108,25 @@ class Metrics:
         self.encode_seconds = Histogram(
             "expertd_encode_seconds", "Output to response bytes", buckets=_SECONDS, registry=r
         )
+        self.request_seconds = Histogram(
+            "expertd_request_seconds",
+            "One request end to end in the server: received (parsed) -> its answer ready "
+            "(admission, validation, queue, forward, encode), every transport",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.request_bytes = Histogram(
+            "expertd_request_bytes",
+            "Tensor bytes received per request (hidden states, ids, weights)",
+            buckets=_BYTES,
+            registry=r,
+        )
+        self.response_bytes = Histogram(
+            "expertd_response_bytes",
+            "Output tensor bytes sent per request",
+            buckets=_BYTES,
+            registry=r,
+        )
         self.inflight = Gauge("expertd_inflight_requests", "Requests being served", registry=r)
         self.queued_tokens = Gauge(
             "expertd_queued_tokens", "Tokens waiting for compute", registry=r
@@ -94,9 +152,10 @@ class Metrics:
     def watch_device(self, device: torch.device) -> None:
         self._memory.device = device
 
-    def serve(self, port: int, host: str = "0.0.0.0"):
-        """Start the /metrics HTTP endpoint; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Start the /metrics HTTP endpoint on host:port; returns the bound port."""
+        exposition = _Exposition(self.registry, self.created)
+        server, _thread = start_http_server(port, addr=host, registry=exposition)
         self._http = server
         return server.server_port
 

@@ -2,8 +2,10 @@
 service: model "moe", the layer as request parameter "layer" (docs/protocol.md).
 
 A ModelInfer request is translated to our ForwardRequest (no copy of the
-tensor bytes beyond protobuf's own) and goes through the same admission,
-validation and batching as Forward; the errors keep their status codes.
+tensor bytes beyond protobuf's own; typed contents are packed once) and goes
+through the same admission, validation and batching as Forward; the errors keep
+their status codes. Triton's ModelConfig, ModelStatistics and RepositoryIndex
+describe the model to perf_analyzer, model-analyzer and tritonclient.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 import expertd
 from expertd.codec import ForwardRequestView, TensorView, parse_forward_response
@@ -40,12 +44,85 @@ INPUTS = {
     "topk_weights": {"FP32": pb.FP32, "BF16": pb.BF16},
 }
 ITEMSIZE = {pb.BF16: 2, pb.FP32: 4, pb.INT32: 4, pb.INT64: 8}
+# The typed-contents field each accepted datatype's values travel in, and their dtype on
+# our wire (little-endian). KServe v2 has no typed field for FP16 or BF16.
+TYPED = {
+    "INT32": ("int_contents", np.dtype("<i4")),
+    "INT64": ("int64_contents", np.dtype("<i8")),
+    "FP32": ("fp32_contents", np.dtype("<f4")),
+}
+CONFIG_TYPES = {"BF16": oip.TYPE_BF16, "INT32": oip.TYPE_INT32, "FP32": oip.TYPE_FP32}
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += max(ns, 0)
+
+    def proto(self) -> oip.StatisticDuration:
+        return oip.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass(slots=True)
+class InferStats:
+    """ModelInfer's counts and cumulative times, as Triton's ModelStatistics reports
+    them: each succeeded request's time split into queue (admission to the batch's
+    start, validation included, from the answer's own Timing), compute_input (reading
+    the request's tensors: typed contents packed, shared memory copied), compute_infer
+    (the batch's forward) and compute_output (the rest: the answer's encoding and the
+    shared-memory write)."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    last_inference_ms: int = 0
+
+    def succeeded(self, total_ns: int, input_ns: int, timing: pb.Timing) -> None:
+        queue_ns, infer_ns = timing.queue_us * 1000, timing.compute_us * 1000
+        self.success.add(total_ns)
+        self.queue.add(queue_ns)
+        self.compute_input.add(input_ns)
+        self.compute_infer.add(infer_ns)
+        self.compute_output.add(total_ns - input_ns - queue_ns - infer_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def failed(self, total_ns: int) -> None:
+        self.fail.add(total_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def proto(self) -> oip.ModelStatistics:
+        n = self.success.count  # one execution per request: max_batch_size is 0
+        return oip.ModelStatistics(
+            name=MODEL,
+            version=VERSION,
+            last_inference=self.last_inference_ms,
+            inference_count=n,
+            execution_count=n,
+            inference_stats=oip.InferStatistics(
+                success=self.success.proto(),
+                fail=self.fail.proto(),
+                queue=self.queue.proto(),
+                compute_input=self.compute_input.proto(),
+                compute_infer=self.compute_infer.proto(),
+                compute_output=self.compute_output.proto(),
+                cache_hit=oip.StatisticDuration(),
+                cache_miss=oip.StatisticDuration(),
+            ),
+        )
 
 
 class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(self, experts: ExpertServicer, allow_shm: bool = False) -> None:
         self.experts = experts
         self.shm = SharedMemoryRegistry(allow_shm)
+        self.stats = InferStats()
 
     def close(self) -> None:
         """Server shutdown: close every shared-memory region."""
@@ -94,19 +171,19 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             versions=[VERSION],
             platform="expertd",
             inputs=[
-                meta(name="hidden_states", datatype="BF16", shape=[-1, h]),
-                meta(name="topk_ids", datatype="INT32", shape=[-1, -1]),
-                meta(name="topk_weights", datatype="FP32", shape=[-1, -1]),
+                meta(name=name, datatype=dtype, shape=dims) for name, dtype, dims in _inputs(h)
             ],
             outputs=[meta(name="output", datatype="BF16", shape=[-1, h])],
         )
 
     async def ModelInfer(self, request, context):
         await self._check_model(request.model_name, request.model_version, context)
+        started = time.perf_counter_ns()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         lease = self.shm.lease(self._max_read_bytes())  # regions this request uses
         copying = None  # the last copy through them run off the event loop (large tensors)
+        succeeded = False
         try:
             try:
                 forward = to_forward_request(request, lease)
@@ -115,8 +192,10 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 if lease.pending:
                     copying = loop.run_in_executor(None, lease.fill)
                     await asyncio.shield(copying)
+                read = time.perf_counter_ns()
                 reply = await self.experts._forward(forward, deadline)
-                out = parse_forward_response(reply).output
+                answer = parse_forward_response(reply)
+                out = answer.output
                 if into is not None:
                     region, ref = into
                     if len(out.data) > ref.byte_size:
@@ -126,23 +205,103 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                     else:
                         copying = loop.run_in_executor(None, region.write, ref.offset, out.data)
                         await asyncio.shield(copying)
+                response = oip.ModelInferResponse(
+                    model_name=MODEL,
+                    model_version=VERSION,
+                    id=request.id,
+                    outputs=[
+                        oip.ModelInferResponse.InferOutputTensor(
+                            name="output", datatype="BF16", shape=list(out.shape)
+                        )
+                    ],
+                    # An output written to shared memory keeps its place here, empty (as Triton).
+                    raw_output_contents=[b"" if into is not None else bytes(out.data)],
+                )
+                succeeded = True
             except RequestError as e:
                 self.experts._count("ModelInfer", e.code)
                 await context.abort(e.code, e.message)
         finally:
             lease.release_after(copying)
+            total = time.perf_counter_ns() - started
+            if succeeded:
+                self.stats.succeeded(total, read - started, answer.timing)
+            else:  # refused, or a fault (answered INTERNAL by the request guard)
+                self.stats.failed(total)
         self.experts._count("ModelInfer", grpc.StatusCode.OK)
-        return oip.ModelInferResponse(
-            model_name=MODEL,
-            model_version=VERSION,
-            id=request.id,
-            outputs=[
-                oip.ModelInferResponse.InferOutputTensor(
-                    name="output", datatype="BF16", shape=list(out.shape)
-                )
+        return response
+
+    async def ModelConfig(self, request, context):
+        await self._check_model(request.name, request.version, context)
+        bank = self.experts.bank
+        if bank is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
+        info = bank.info
+        h = info.hidden_size
+        device = bank.backend.device
+        if device.type == "cuda":
+            group = oip.ModelInstanceGroup(
+                name=MODEL, kind=oip.ModelInstanceGroup.KIND_GPU, count=1, gpus=[device.index or 0]
+            )
+        else:
+            group = oip.ModelInstanceGroup(
+                name=MODEL, kind=oip.ModelInstanceGroup.KIND_CPU, count=1
+            )
+        shard, shards = self.experts._shard
+        parameters = {
+            "layer": "request parameter, an integer, required: which MoE layer to run",
+            "layers": ",".join(map(str, info.layers)),
+            "experts": _ranges(info.experts),
+            "num_experts": str(info.num_experts),
+            "top_k": str(info.top_k),
+            "hidden_size": str(h),
+            "intermediate_size": str(info.intermediate_size),
+            "shard": f"{shard} of {shards}",
+            "max_tokens_per_request": str(self.experts.limits.max_tokens),
+            "backend": bank.backend.name,
+        }
+        config = oip.ModelConfig(
+            name=MODEL,
+            platform="expertd",
+            backend="expertd",
+            max_batch_size=0,
+            input=[
+                oip.ModelInput(name=name, data_type=CONFIG_TYPES[dtype], dims=dims)
+                for name, dtype, dims in _inputs(h)
             ],
-            # An output written to shared memory keeps its place here, empty (as Triton).
-            raw_output_contents=[b"" if into is not None else bytes(out.data)],
+            output=[oip.ModelOutput(name="output", data_type=oip.TYPE_BF16, dims=[-1, h])],
+            instance_group=[group],
+            parameters={k: oip.ModelParameter(string_value=v) for k, v in parameters.items()},
+        )
+        return oip.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        if request.name:
+            await self._check_model(request.name, request.version, context)
+        elif request.version not in ("", VERSION):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no model has version {request.version!r}"
+            )
+        return oip.ModelStatisticsResponse(model_stats=[self.stats.proto()])
+
+    async def RepositoryIndex(self, request, context):
+        if request.repository_name:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown model repository {request.repository_name!r}; expertd has one, "
+                "unnamed: leave repository_name empty",
+            )
+        if self._ready():
+            state, reason = "READY", ""
+        elif self.experts.draining:
+            state, reason = "UNAVAILABLE", "server is draining"
+        else:
+            state, reason = "LOADING", "server is still loading its experts"
+        if request.ready and state != "READY":
+            return oip.RepositoryIndexResponse()
+        index = oip.RepositoryIndexResponse.ModelIndex
+        return oip.RepositoryIndexResponse(
+            models=[index(name=MODEL, version=VERSION, state=state, reason=reason)]
         )
 
     def _max_read_bytes(self) -> int:
@@ -234,6 +393,30 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         return oip.CudaSharedMemoryUnregisterResponse()
 
 
+def _inputs(hidden: int) -> list[tuple[str, str, list[int]]]:
+    """(name, datatype, shape) of each input, in the preferred datatype."""
+    return [
+        ("hidden_states", "BF16", [-1, hidden]),
+        ("topk_ids", "INT32", [-1, -1]),
+        ("topk_weights", "FP32", [-1, -1]),
+    ]
+
+
+def _ranges(ids) -> str:
+    """Ascending ids as compact ranges: (0, 1, 2, 5) -> "0-2,5"."""
+    out, run = [], []
+    for i in ids:
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def _too_small(ref, needed: int) -> str:
     return (
         f"output: shared_memory_byte_size {ref.byte_size} (region '{ref.region}') cannot hold "
@@ -246,16 +429,37 @@ def to_forward_request(
 ) -> ForwardRequestView:
     """ModelInferRequest -> the ForwardRequest it means; RequestError naming what is wrong.
 
-    Inputs come from raw_input_contents (one each, in order, for the inputs that are not
-    in shared memory) or from the shared-memory regions they name, copied out through
-    `lease` (which the caller releases)."""
+    Each input comes from exactly one place: a shared-memory region it names (copied
+    out through `lease`, which the caller releases), its typed `contents`, or
+    raw_input_contents, which holds one entry per remaining input, in order. (The
+    standard has a request use raw_input_contents or typed contents, not both; a mix is
+    accepted here, as it is unambiguous.)"""
     refs = [tensor_ref(inp) for inp in request.inputs]
+    typed = [inp.HasField("contents") for inp in request.inputs]
+    for n, (inp, ref, has_contents) in enumerate(zip(request.inputs, refs, typed, strict=True)):
+        if ref is not None and has_contents:
+            raise invalid(
+                f"inputs[{n}] ({inp.name}): both a shared-memory region and contents; "
+                "send each input one way"
+            )
     in_shm = sum(ref is not None for ref in refs)
-    if len(request.raw_input_contents) != len(request.inputs) - in_shm:
-        in_shm_text = f", {in_shm} of them in shared memory," if in_shm else ""
+    in_contents = sum(typed)
+    expected = len(request.inputs) - in_shm - in_contents
+    if len(request.raw_input_contents) != expected:
+        if in_contents and len(request.raw_input_contents) == expected + in_contents:
+            n = typed.index(True)
+            raise invalid(
+                f"inputs[{n}] ({request.inputs[n].name}): both contents and a "
+                "raw_input_contents entry; raw_input_contents holds only the inputs sent "
+                "without contents or shared memory"
+            )
+        elsewhere = [f"{in_shm} in shared memory"] if in_shm else []
+        elsewhere += [f"{in_contents} in contents"] if in_contents else []
+        elsewhere_text = f" ({', '.join(elsewhere)})" if elsewhere else ""
         raise invalid(
-            f"{len(request.inputs)} inputs{in_shm_text} but {len(request.raw_input_contents)} "
-            "raw_input_contents: send every tensor not in shared memory in raw_input_contents"
+            f"{len(request.inputs)} inputs{elsewhere_text} but "
+            f"{len(request.raw_input_contents)} raw_input_contents: send every tensor not in "
+            "shared memory or contents in raw_input_contents"
         )
     for wanted in request.outputs:
         if wanted.name != "output":
@@ -280,12 +484,40 @@ def to_forward_request(
         tensor = TensorView()
         tensor.dtype = allowed[inp.datatype]
         tensor.shape = list(inp.shape)
-        if ref is None:
-            tensor.data = memoryview(next(raw))
-        else:
+        if ref is not None:
             tensor.data = _read_input(inp, tensor, ref, lease)
+        elif inp.HasField("contents"):
+            tensor.data = _typed_contents(inp)
+        else:
+            tensor.data = memoryview(next(raw))
         setattr(forward, inp.name, tensor)
     return forward
+
+
+def _typed_contents(inp) -> memoryview:
+    """An input's typed contents as the bytes of its datatype (exact: each accepted
+    datatype's field holds values of that very type)."""
+    if inp.datatype not in TYPED:
+        raise invalid(
+            f"{inp.name}: datatype {inp.datatype} has no typed contents field in the Open "
+            "Inference Protocol (KServe v2 has none for FP16 or BF16); send this input in "
+            "raw_input_contents or shared memory"
+        )
+    name, dtype = TYPED[inp.datatype]
+    for given, _ in inp.contents.ListFields():
+        if given.name != name:
+            raise invalid(
+                f"{inp.name}: contents.{given.name} is set, but {inp.datatype} values go in "
+                f"contents.{name}"
+            )
+    values = getattr(inp.contents, name)
+    shape = list(inp.shape)
+    if all(d >= 0 for d in shape) and len(values) != math.prod(shape):
+        raise invalid(
+            f"{inp.name}: contents.{name} holds {len(values)} values, shape {shape} needs "
+            f"{math.prod(shape)}"
+        )
+    return memoryview(np.asarray(values, dtype=dtype).tobytes())
 
 
 def _read_input(inp, tensor: TensorView, ref, lease: RequestLease | None):

@@ -41,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from expertd.progress import Progress
 from expertd.server.bank import ExpertBank
 from expertd.server.graphs import (
     DEFAULT_BUCKETS,
@@ -189,7 +190,10 @@ class BatchRunner:
         start = time.perf_counter()
         x = torch.zeros((1, self.hidden), dtype=torch.bfloat16)
         no_route, weight = torch.full((1, 1), -1, dtype=torch.int32), torch.zeros((1, 1))
-        for layer in self.bank.info.layers:
+        layers = self.bank.info.layers
+        what = "capturing CUDA graphs" if self.graphs is not None else "warming up"
+        bar = Progress(what, len(layers), log=log)
+        for n, layer in enumerate(layers, 1):
             if self.graphs is not None:
                 hosts = None
                 if self._slot_bufs[0].graph_host is not None:
@@ -197,6 +201,9 @@ class BatchRunner:
                 self.graphs.capture(layer, self.bank.state(layer), hosts)
             for _ in range(self.depth):  # slots are handed out in turn
                 self.run(layer, [x], [no_route], [weight])
+            if self.graphs is not None:  # seconds per layer on a GPU; CPU: nothing to show
+                bar.update(n, f"{what}: layer {layer}")
+        bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info(

@@ -19,7 +19,7 @@ import torch
 
 import expertd
 from expertd import dataplane as dp
-from expertd import nixl
+from expertd import nixl, tracing
 from expertd.server import remote, slots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
@@ -66,6 +66,14 @@ def server_options(max_inflight: int) -> list[tuple[str, int]]:
         ("grpc.server.max_pending_requests", pending),
         ("grpc.server.max_pending_requests_hard_limit", pending),
     ]
+
+
+def _traceparent(context) -> str:
+    """The W3C traceparent in a unary call's metadata ("" if none)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == tracing.TRACEPARENT:
+            return value
+    return ""
 
 
 def request_id_of(context, fallback: int = 0) -> str:
@@ -164,7 +172,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             )
         return self.bank
 
-    async def _forward(self, req: pb.ForwardRequest, deadline: float | None) -> pb.ForwardResponse:
+    async def _forward(
+        self, req: pb.ForwardRequest, deadline: float | None, traceparent: str = ""
+    ) -> pb.ForwardResponse:
         """One request, admitted, validated, batched; raises RequestError."""
         received = time.perf_counter_ns()
         bank = self._admit()
@@ -185,6 +195,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                     self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
                 )
             job = Job(args, deadline, received, loop.create_future(), req.request_id)
+            job.traceparent = req.traceparent or traceparent
             self.batcher.submit(job)
             return await job.future  # the serialized ForwardResponse (codec)
         finally:
@@ -253,7 +264,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            reply = await self._forward(request, deadline)
+            parent = _traceparent(context) if tracing.active() else ""
+            reply = await self._forward(request, deadline, parent)
         except RequestError as e:
             self._count("Forward", e.code)
             self._log_refusal(request_id_of(context, request.request_id), e)

@@ -62,14 +62,17 @@ def free_port() -> int:
 
 def test_watch_streams_like_check_and_ends_when_stopped():
     server = BackgroundServer(shard_config(0))
-    watchers = [Watcher(server.address), Watcher(server.address, "expertd.v1.ExpertService")]
+    watchers = [
+        Watcher(server.address, name)
+        for name in ("", "expertd.v1.ExpertService", "inference.GRPCInferenceService")
+    ]
     unknown = Watcher(server.address, "no.such.Service")
     try:
         for w in [*watchers, unknown]:
             assert w.first.wait(30)
             assert w.error is None, (w.error.code(), w.error.details())
             assert not w.ended.is_set()  # still open: a watch streams until told otherwise
-        assert [w.statuses for w in watchers] == [[SERVING], [SERVING]]
+        assert [w.statuses for w in watchers] == [[SERVING]] * 3
         assert unknown.statuses == [SERVICE_UNKNOWN]
         with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as info:
             health_pb2_grpc.HealthStub(channel).Check(
@@ -83,7 +86,7 @@ def test_watch_streams_like_check_and_ends_when_stopped():
         for w in [*watchers, unknown]:
             assert w.ended.wait(10)
             assert w.error is None, (w.error.code(), w.error.details())
-        assert [w.statuses for w in watchers] == [[SERVING, NOT_SERVING]] * 2
+        assert [w.statuses for w in watchers] == [[SERVING, NOT_SERVING]] * 3
         assert unknown.statuses == [SERVICE_UNKNOWN, NOT_SERVING]
     finally:
         for w in [*watchers, unknown]:

@@ -150,7 +150,16 @@ def test_bad_checkpoint_exits_nonzero(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "expertd", "serve", "--checkpoint", str(empty)],
+        [
+            sys.executable,
+            "-m",
+            "expertd",
+            "serve",
+            "--checkpoint",
+            str(empty),
+            "--listen",
+            "127.0.0.1:0",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

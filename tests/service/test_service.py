@@ -104,7 +104,7 @@ def test_describe_reports_shard(addresses):
 def test_health_serving(addresses):
     with grpc.insecure_channel(addresses[0]) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        for service in ("", "expertd.v1.ExpertService"):
+        for service in ("", "expertd.v1.ExpertService", "inference.GRPCInferenceService"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -120,27 +120,48 @@ def test_reflection_lists_services(addresses):
     assert {"expertd.v1.ExpertService", "grpc.health.v1.Health"} <= names
 
 
-def test_reflection_describes_both_services(addresses):
-    """grpcurl's `describe`: the file that defines each service, the OIP one included
-    (its stubs live outside protobuf's default pool)."""
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_under_v1_and_v1alpha(addresses, version):
+    """grpcurl and current clients ask grpc.reflection.v1 first; older ones v1alpha.
+    Both list every service and describe them, the v1 reflection service included."""
     from google.protobuf import descriptor_pb2
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2  # v1's messages are the same
 
-    wanted = {
-        "expertd.v1.ExpertService": "expertd/v1/expertd.proto",
-        "inference.GRPCInferenceService": "expertd/v1/inference.proto",
-        "inference.ModelInferRequest": "expertd/v1/inference.proto",
-    }
-    reqs = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=s) for s in wanted]
+    method = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="inference.GRPCInferenceService"
+        ),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection"
+        ),
+    ]
     with grpc.insecure_channel(addresses[0]) as ch:
-        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        replies = list(stub.ServerReflectionInfo(iter(reqs), timeout=5))
-    for symbol, reply in zip(wanted, replies, strict=True):
-        assert reply.WhichOneof("message_response") == "file_descriptor_response", symbol
-        proto = descriptor_pb2.FileDescriptorProto.FromString(
-            reply.file_descriptor_response.file_descriptor_proto[0]
+        call = ch.stream_stream(
+            method,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
         )
-        assert proto.name == wanted[symbol], symbol
+        listed, oip_file, v1_file = list(call(iter(requests), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert names == {
+        "expertd.v1.ExpertService",
+        "inference.GRPCInferenceService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    files = {}
+    for reply in (oip_file, v1_file):
+        assert not reply.HasField("error_response"), reply.error_response.error_message
+        for raw in reply.file_descriptor_response.file_descriptor_proto:
+            f = descriptor_pb2.FileDescriptorProto.FromString(raw)
+            files[f.package] = f
+    oip_methods = {m.name for m in files["inference"].service[0].method}
+    assert {"ModelInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex"} <= oip_methods
+    (v1_service,) = files["grpc.reflection.v1"].service
+    assert v1_service.method[0].input_type == ".grpc.reflection.v1.ServerReflectionRequest"
 
 
 def test_stream_tags_results_and_survives_a_bad_request(addresses, full_layers):

@@ -32,6 +32,7 @@ from expertd.codec import (
     parse_forward_request,
     parse_forward_response,
 )
+from expertd.server.malformed import TENSOR_VALUES
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import inference_pb2 as oip
 
@@ -295,7 +296,7 @@ def checked_parse(cls):
     """What the server does for messages protobuf reads: the limit check, then upb."""
 
     def parse(data: bytes):
-        check_limits(data, cls.DESCRIPTOR)
+        check_limits(data, cls.DESCRIPTOR, TENSOR_VALUES)
         return cls.FromString(data)
 
     return parse
@@ -418,6 +419,10 @@ HOSTILE = {  # name -> (message class, n -> a message of about n bytes)
     "long trace id": (pb.ForwardRequest, lambda n: ld(6, b"a" * n)),
     "infer: long shape": (oip.ModelInferRequest, lambda n: ld(5, ld(3, b"\x01" * n))),
     "infer: empty inputs": (oip.ModelInferRequest, lambda n: b"\x2a\x00" * (n // 2)),
+    "infer: typed contents": (
+        oip.ModelInferRequest,
+        lambda n: ld(5, ld(5, ld(3, b"\x01" * n))),  # int64_contents: n one-byte varints
+    ),
     "infer: parameters": (
         oip.ModelInferRequest,
         lambda n: ld(4, ld(1, b"k") + ld(2, b"")) * (n // 9),

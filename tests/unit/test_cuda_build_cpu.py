@@ -32,6 +32,7 @@ def test_cache_dir_and_prebuilt_library_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTD_KERNEL_CACHE", str(tmp_path / "cache"))
     assert build.cache_dir() == (tmp_path / "cache").resolve()
     lib = tmp_path / "prebuilt.so"
+    lib.write_bytes(b"")
     monkeypatch.setenv("EXPERTD_KERNEL_LIB", str(lib))
     assert build.library_path() == Path(lib)
 
@@ -78,3 +79,35 @@ def test_args_mirror_and_owned_range():
     assert cuda._range_start((3, 70, 128, 255)) == -1
     assert cuda._range_start((5, 4)) == -1
     assert cuda._range_start(()) == -1
+
+
+def test_compiled_kernels_only_for_compute_capability_9_0():
+    """sm_90a code runs on 9.0 alone: an A100 (8.0) or a B200 (10.0) gets the reason."""
+    assert build.capability_problem("cuda:0 (NVIDIA H200)", (9, 0)) is None
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        why = build.capability_problem("cuda:0 (some GPU)", cap)
+        assert f"compute capability {cap[0]}.{cap[1]}" in why and "sm_90a" in why
+
+
+def test_backend_choice_on_cpu_is_the_reference_with_a_reason(caplog):
+    import logging
+
+    import torch
+
+    from expertd.kernels import lookup
+
+    name, why = lookup.choose_backend(torch.device("cpu"))
+    assert name == "reference" and "CUDA device" in why
+    with caplog.at_level(logging.INFO, logger="expertd.kernels"):
+        assert lookup.default_backend_name(torch.device("cpu")) == "reference"
+    assert lookup.last_choice() == (name, why)
+    assert [r.getMessage() for r in caplog.records] == [f"backend reference: {why}"]
+    with pytest.raises(ValueError, match="backend cuda: the compiled kernels run on CUDA"):
+        lookup.create_backend("cuda", "cpu")
+
+
+def test_missing_prebuilt_library_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPERTD_KERNEL_LIB", str(tmp_path / "absent.so"))
+    with pytest.raises(RuntimeError, match=r"EXPERTD_KERNEL_LIB=.*absent\.so: no such file"):
+        build.library_path()
+    assert build.library_path(build=False) == tmp_path / "absent.so"

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65xpertd/v1/expertd.proto\x12\nexpertd.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.expertd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xe9\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12$\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12(\n\x0ctopk_weights\x18\x04 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\"\x93\x01\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\x12\x10\n\x08stage_us\x18\x04 \x01(\x04\x12\x11\n\tdevice_us\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61tch_requests\x18\x06 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8f\x01\n\x0f\x46orwardResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.expertd.v1.Error\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.expertd.v1.Timing\"\x11\n\x0f\x44\x65scribeRequest\"\xc1\x03\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x19\n\x11intermediate_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x0e\n\x06layers\x18\x08 \x03(\r\x12\x0f\n\x07\x65xperts\x18\t \x03(\r\x12\x14\n\x0cweight_dtype\x18\n \x01(\t\x12+\n\x10\x61\x63tivation_dtype\x18\x0b \x01(\x0e\x32\x11.expertd.v1.DType\x12\'\n\x0coutput_dtype\x18\x0c \x01(\x0e\x32\x11.expertd.v1.DType\x12\r\n\x05model\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x1e\n\x16max_tokens_per_request\x18\x0f \x01(\r\x12\x19\n\x11max_message_bytes\x18\x10 \x01(\x04\x12\x13\n\x0bshard_index\x18\x11 \x01(\r\x12\x12\n\nnum_shards\x18\x12 \x01(\r\x12\x12\n\ndataplanes\x18\x13 \x03(\t\"H\n\nCudaBuffer\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"S\n\nNixlRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x0e\n\x06memory\x18\x04 \x01(\t\"_\n\x08NixlPeer\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\'\n\x07regions\x18\x03 \x03(\x0b\x32\x16.expertd.v1.NixlRegion\"\xef\x01\n\x14RegisterSlotsRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12,\n\x0c\x63uda_buffers\x18\x05 \x03(\x0b\x32\x16.expertd.v1.CudaBuffer\x12\"\n\x04nixl\x18\x06 \x01(\x0b\x32\x14.expertd.v1.NixlPeer\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12+\n\x10\x61\x63tivation_dtype\x18\x08 \x01(\x0e\x32\x11.expertd.v1.DType\"\xd8\x01\n\nSlotLayout\x12\x16\n\x0e\x63ontrol_offset\x18\x01 \x01(\x04\x12\x15\n\rcontrol_bytes\x18\x02 \x01(\x04\x12\x10\n\x08x_offset\x18\x03 \x01(\x04\x12\x12\n\nids_offset\x18\x04 \x01(\x04\x12\x16\n\x0eweights_offset\x18\x05 \x01(\x04\x12\x12\n\nout_offset\x18\x06 \x01(\x04\x12\x11\n\tbyte_size\x18\x07 \x01(\x04\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\r\n\x05top_k\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\"\xbd\x01\n\x15RegisterSlotsResponse\x12\x13\n\x0bsocket_name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.expertd.v1.SlotLayout\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\r\n\x05slots\x18\x06 \x01(\r\x12\"\n\x04nixl\x18\x07 \x01(\x0b\x32\x14.expertd.v1.NixlPeer*]\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x42\x46\x31\x36\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x08\n\x04\x46P16\x10\x05\x12\t\n\x05UINT8\x10\x06\x32\x9c\x03\n\rExpertService\x12\x42\n\x07\x46orward\x12\x1a.expertd.v1.ForwardRequest\x1a\x1b.expertd.v1.ForwardResponse\x12L\n\rForwardStream\x12\x1a.expertd.v1.ForwardRequest\x1a\x1b.expertd.v1.ForwardResponse(\x01\x30\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.expertd.v1.DescribeRequest\x1a\x1c.expertd.v1.DescribeResponse\x12T\n\rRegisterSlots\x12 .expertd.v1.RegisterSlotsRequest\x1a!.expertd.v1.RegisterSlotsResponse\x12\\\n\x13RegisterRemoteSlots\x12 .expertd.v1.RegisterSlotsRequest\x1a!.expertd.v1.RegisterSlotsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65xpertd/v1/expertd.proto\x12\nexpertd.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.expertd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xfe\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12$\n\x08topk_ids\x18\x03 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12(\n\x0ctopk_weights\x18\x04 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x93\x01\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\x12\x10\n\x08stage_us\x18\x04 \x01(\x04\x12\x11\n\tdevice_us\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61tch_requests\x18\x06 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8f\x01\n\x0f\x46orwardResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.expertd.v1.Tensor\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.expertd.v1.Error\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.expertd.v1.Timing\"\x11\n\x0f\x44\x65scribeRequest\"\xc1\x03\n\x10\x44\x65scribeResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x19\n\x11intermediate_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x0e\n\x06layers\x18\x08 \x03(\r\x12\x0f\n\x07\x65xperts\x18\t \x03(\r\x12\x14\n\x0cweight_dtype\x18\n \x01(\t\x12+\n\x10\x61\x63tivation_dtype\x18\x0b \x01(\x0e\x32\x11.expertd.v1.DType\x12\'\n\x0coutput_dtype\x18\x0c \x01(\x0e\x32\x11.expertd.v1.DType\x12\r\n\x05model\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x1e\n\x16max_tokens_per_request\x18\x0f \x01(\r\x12\x19\n\x11max_message_bytes\x18\x10 \x01(\x04\x12\x13\n\x0bshard_index\x18\x11 \x01(\r\x12\x12\n\nnum_shards\x18\x12 \x01(\r\x12\x12\n\ndataplanes\x18\x13 \x03(\t\"H\n\nCudaBuffer\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\"S\n\nNixlRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x0e\n\x06memory\x18\x04 \x01(\t\"_\n\x08NixlPeer\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\'\n\x07regions\x18\x03 \x03(\x0b\x32\x16.expertd.v1.NixlRegion\"\xef\x01\n\x14RegisterSlotsRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12,\n\x0c\x63uda_buffers\x18\x05 \x03(\x0b\x32\x16.expertd.v1.CudaBuffer\x12\"\n\x04nixl\x18\x06 \x01(\x0b\x32\x14.expertd.v1.NixlPeer\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12+\n\x10\x61\x63tivation_dtype\x18\x08 \x01(\x0e\x32\x11.expertd.v1.DType\"\xd8\x01\n\nSlotLayout\x12\x16\n\x0e\x63ontrol_offset\x18\x01 \x01(\x04\x12\x15\n\rcontrol_bytes\x18\x02 \x01(\x04\x12\x10\n\x08x_offset\x18\x03 \x01(\x04\x12\x12\n\nids_offset\x18\x04 \x01(\x04\x12\x16\n\x0eweights_offset\x18\x05 \x01(\x04\x12\x12\n\nout_offset\x18\x06 \x01(\x04\x12\x11\n\tbyte_size\x18\x07 \x01(\x04\x12\x12\n\nmax_tokens\x18\x08 \x01(\r\x12\r\n\x05top_k\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\"\xbd\x01\n\x15RegisterSlotsResponse\x12\x13\n\x0bsocket_name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12&\n\x06layout\x18\x04 \x01(\x0b\x32\x16.expertd.v1.SlotLayout\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\r\n\x05slots\x18\x06 \x01(\r\x12\"\n\x04nixl\x18\x07 \x01(\x0b\x32\x14.expertd.v1.NixlPeer*]\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x42\x46\x31\x36\x10\x01\x12\x08\n\x04\x46P32\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\x08\n\x04\x46P16\x10\x05\x12\t\n\x05UINT8\x10\x06\x32\x9c\x03\n\rExpertService\x12\x42\n\x07\x46orward\x12\x1a.expertd.v1.ForwardRequest\x1a\x1b.expertd.v1.ForwardResponse\x12L\n\rForwardStream\x12\x1a.expertd.v1.ForwardRequest\x1a\x1b.expertd.v1.ForwardResponse(\x01\x30\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.expertd.v1.DescribeRequest\x1a\x1c.expertd.v1.DescribeResponse\x12T\n\rRegisterSlots\x12 .expertd.v1.RegisterSlotsRequest\x1a!.expertd.v1.RegisterSlotsResponse\x12\\\n\x13RegisterRemoteSlots\x12 .expertd.v1.RegisterSlotsRequest\x1a!.expertd.v1.RegisterSlotsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertd.v1.expertd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2065
-  _globals['_DTYPE']._serialized_end=2158
+  _globals['_DTYPE']._serialized_start=2086
+  _globals['_DTYPE']._serialized_end=2179
   _globals['_TENSOR']._serialized_start=40
   _globals['_TENSOR']._serialized_end=111
   _globals['_FORWARDREQUEST']._serialized_start=114
-  _globals['_FORWARDREQUEST']._serialized_end=347
-  _globals['_TIMING']._serialized_start=350
-  _globals['_TIMING']._serialized_end=497
-  _globals['_ERROR']._serialized_start=499
-  _globals['_ERROR']._serialized_end=537
-  _globals['_FORWARDRESPONSE']._serialized_start=540
-  _globals['_FORWARDRESPONSE']._serialized_end=683
-  _globals['_DESCRIBEREQUEST']._serialized_start=685
-  _globals['_DESCRIBEREQUEST']._serialized_end=702
-  _globals['_DESCRIBERESPONSE']._serialized_start=705
-  _globals['_DESCRIBERESPONSE']._serialized_end=1154
-  _globals['_CUDABUFFER']._serialized_start=1156
-  _globals['_CUDABUFFER']._serialized_end=1228
-  _globals['_NIXLREGION']._serialized_start=1230
-  _globals['_NIXLREGION']._serialized_end=1313
-  _globals['_NIXLPEER']._serialized_start=1315
-  _globals['_NIXLPEER']._serialized_end=1410
-  _globals['_REGISTERSLOTSREQUEST']._serialized_start=1413
-  _globals['_REGISTERSLOTSREQUEST']._serialized_end=1652
-  _globals['_SLOTLAYOUT']._serialized_start=1655
-  _globals['_SLOTLAYOUT']._serialized_end=1871
-  _globals['_REGISTERSLOTSRESPONSE']._serialized_start=1874
-  _globals['_REGISTERSLOTSRESPONSE']._serialized_end=2063
-  _globals['_EXPERTSERVICE']._serialized_start=2161
-  _globals['_EXPERTSERVICE']._serialized_end=2573
+  _globals['_FORWARDREQUEST']._serialized_end=368
+  _globals['_TIMING']._serialized_start=371
+  _globals['_TIMING']._serialized_end=518
+  _globals['_ERROR']._serialized_start=520
+  _globals['_ERROR']._serialized_end=558
+  _globals['_FORWARDRESPONSE']._serialized_start=561
+  _globals['_FORWARDRESPONSE']._serialized_end=704
+  _globals['_DESCRIBEREQUEST']._serialized_start=706
+  _globals['_DESCRIBEREQUEST']._serialized_end=723
+  _globals['_DESCRIBERESPONSE']._serialized_start=726
+  _globals['_DESCRIBERESPONSE']._serialized_end=1175
+  _globals['_CUDABUFFER']._serialized_start=1177
+  _globals['_CUDABUFFER']._serialized_end=1249
+  _globals['_NIXLREGION']._serialized_start=1251
+  _globals['_NIXLREGION']._serialized_end=1334
+  _globals['_NIXLPEER']._serialized_start=1336
+  _globals['_NIXLPEER']._serialized_end=1431
+  _globals['_REGISTERSLOTSREQUEST']._serialized_start=1434
+  _globals['_REGISTERSLOTSREQUEST']._serialized_end=1673
+  _globals['_SLOTLAYOUT']._serialized_start=1676
+  _globals['_SLOTLAYOUT']._serialized_end=1892
+  _globals['_REGISTERSLOTSRESPONSE']._serialized_start=1895
+  _globals['_REGISTERSLOTSRESPONSE']._serialized_end=2084
+  _globals['_EXPERTSERVICE']._serialized_start=2182
+  _globals['_EXPERTSERVICE']._serialized_end=2594
 # @@protoc_insertion_point(module_scope)

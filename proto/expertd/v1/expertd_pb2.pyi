@@ -35,7 +35,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("layer", "hidden_states", "topk_ids", "topk_weights", "request_id", "trace_id", "instance_id", "timeout_us")
+    __slots__ = ("layer", "hidden_states", "topk_ids", "topk_weights", "request_id", "trace_id", "instance_id", "timeout_us", "traceparent")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class ForwardRequest(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden_states: Tensor
     topk_ids: Tensor
@@ -52,7 +53,8 @@ class ForwardRequest(_message.Message):
     trace_id: str
     instance_id: str
     timeout_us: int
-    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., trace_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., topk_ids: _Optional[_Union[Tensor, _Mapping]] = ..., topk_weights: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., trace_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., timeout_us: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us", "stage_us", "device_us", "batch_requests", "batch_tokens")

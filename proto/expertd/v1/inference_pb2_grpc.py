@@ -64,6 +64,21 @@ class GRPCInferenceServiceStub:
                 request_serializer=expertd_dot_v1_dot_inference__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=expertd_dot_v1_dot_inference__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=expertd_dot_v1_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_inference__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=expertd_dot_v1_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_inference__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=expertd_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
         self.SystemSharedMemoryStatus = channel.unary_unary(
                 '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
                 request_serializer=expertd_dot_v1_dot_inference__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
@@ -130,6 +145,24 @@ class GRPCInferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ModelInfer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,6 +236,21 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=expertd_dot_v1_dot_inference__pb2.ModelInferRequest.FromString,
                     response_serializer=expertd_dot_v1_dot_inference__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=expertd_dot_v1_dot_inference__pb2.ModelConfigRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=expertd_dot_v1_dot_inference__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_inference__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=expertd_dot_v1_dot_inference__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
             ),
             'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SystemSharedMemoryStatus,
@@ -397,6 +445,87 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             expertd_dot_v1_dot_inference__pb2.ModelInferRequest.SerializeToString,
             expertd_dot_v1_dot_inference__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            expertd_dot_v1_dot_inference__pb2.ModelConfigRequest.SerializeToString,
+            expertd_dot_v1_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            expertd_dot_v1_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
+            expertd_dot_v1_dot_inference__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            expertd_dot_v1_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+            expertd_dot_v1_dot_inference__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,
