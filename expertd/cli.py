@@ -866,6 +866,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What `expertd[server]` adds to the client-only install (pyproject.toml).
+SERVER_PACKAGES = {"torch", "grpc_health", "grpc_reflection", "safetensors", "prometheus_client"}
+
+
 def env_variables() -> set[str]:
     """Every EXPERTD_* variable an option of some command falls back to."""
     parser = build_parser()
@@ -874,6 +878,18 @@ def env_variables() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVER_PACKAGES:
+            raise
+        print(
+            f"expertd: {e}; the command line needs pip install 'expertd[server]'", file=sys.stderr
+        )
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from expertd.logs import setup_logging
 

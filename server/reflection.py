@@ -5,7 +5,7 @@ grpcio-reflection implements only v1alpha. v1 is the same protocol (the same
 messages, field for field, in another package), so one servicer answers both
 names: the v1 method's bytes parse as the v1alpha messages. So that reflection can
 also describe the v1 service itself, its file descriptor (v1alpha's, renamed into
-the v1 package) is added to the descriptor pool once.
+the v1 package) is added to the pool reflection reads.
 """
 
 from __future__ import annotations
@@ -54,10 +54,24 @@ def _register_v1_descriptor(pool: descriptor_pool.DescriptorPool) -> None:
     pool.Add(file)
 
 
+def served_pool() -> descriptor_pool.DescriptorPool:
+    """Every served proto file in one pool of its own. The OIP stubs keep their
+    descriptors out of protobuf's default pool (scripts/gen_proto.sh: tritonclient and
+    kserve define the same `inference.*` names there), where reflection would look."""
+    from grpc_health.v1 import health_pb2
+
+    from expertd.v1 import expertd_pb2, inference_pb2
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (expertd_pb2, inference_pb2, health_pb2, v1alpha):
+        pool.AddSerializedFile(module.DESCRIPTOR.serialized_pb)
+    return pool
+
+
 def enable(service_names, server: grpc.aio.Server) -> None:
     """Serve reflection for `service_names` (the reflection services are added) on
     `server` under both the v1 and the v1alpha name."""
-    pool = descriptor_pool.Default()
+    pool = served_pool()
     _register_v1_descriptor(pool)
     names = tuple(service_names) + SERVICE_NAMES
     servicer = reflection.aio.ReflectionServicer(names, pool=pool)

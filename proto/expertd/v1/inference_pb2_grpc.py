@@ -5,7 +5,7 @@ import warnings
 
 from expertd.v1 import inference_pb2 as expertd_dot_v1_dot_inference__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.81.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
