@@ -27,7 +27,7 @@ def _serve_parser(sub) -> None:
         "--synthetic",
         default=_env("SYNTHETIC"),
         metavar="PRESET",
-        help="generate weights in memory: small | muse-spark",
+        help="generate weights in memory: small | muse-spark | deepseek-v3 | qwen3-235b-a22b | qwen3-30b-a3b",
     )
     src.add_argument("--layers", type=int, default=_env("LAYERS", None, int))
     src.add_argument("--seed", type=int, default=_env("SEED", 0, int))
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic NVFP4 checkpoint")
     mk.add_argument("dir")
-    mk.add_argument("--preset", default="small", choices=["small", "muse-spark"])
+    mk.add_argument("--preset", default="small", choices=["small", "muse-spark", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"])  # fmt: skip
     mk.add_argument("--layers", type=int, default=2)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--prefix", default="model.")
