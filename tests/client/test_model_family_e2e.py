@@ -12,6 +12,7 @@ bf16): an implementation of the expert math independent of expertd's reference.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,23 @@ def test_frontend_refuses_a_checkpoint_missing_a_tensor(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
         load_unquantized_weights(build_model(), tmp_path)
+
+
+def test_serve_refuses_an_unsupported_setting_naming_it(tmp_path):
+    """`expertd serve` on the export with its activation changed stops at load, the file
+    and field named."""
+    bad = tmp_path / "gelu"
+    shutil.copytree(FIXTURE, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    done = subprocess.run(
+        [sys.executable, "-m", "expertd", "serve", "--checkpoint", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "hidden_act = 'gelu' is not supported" in done.stderr, done.stderr[-2000:]
 
 
 def test_example_runs_as_documented():
