@@ -7,7 +7,9 @@ routed experts (NVFP4_EXPERTS_ONLY_CFG: NVFP4 weights and inputs, the input scal
 calibration pass over seeded random tokens) and `export_hf_checkpoint` writes them as a
 ModelOpt NVFP4 export: per-expert uint8 weights, fp8 block scales, fp32 global and input
 scales, `hf_quant_config.json`; attention, router, norms and embeddings stay bf16. The
-export is committed (about 2 MB), so CI needs neither ModelOpt nor this script.
+export is committed (about 2 MB), so CI needs neither ModelOpt nor this script. Beside it,
+`qwen3-moe-tiny-bf16-rows.safetensors` keeps the first 16 rows of some experts' bf16 weights
+before quantization, so a test can check expertd's decoding against the model itself.
 
 Made on a CPU-only machine (Python 3.11) with exactly:
 
@@ -15,7 +17,8 @@ Made on a CPU-only machine (Python 3.11) with exactly:
 
     python3 -m venv /tmp/mo && /tmp/mo/bin/pip install torch==2.13.0 \\
         transformers==5.25.0 nvidia-modelopt==0.47.0 requests safetensors
-    cd /tmp && /tmp/mo/bin/python /path/to/expertd/scripts/make_qwen3_moe_fixture.py OUT_DIR
+    cd /tmp && /tmp/mo/bin/python /path/to/expertd/scripts/make_qwen3_moe_fixture.py \
+        /path/to/expertd/tests/fixtures/qwen3-moe-tiny
 
 Run it from outside the checkout: transformers imports a package named `kernels` when the
 Hugging Face kernels library is installed (ModelOpt pulls it in), and the checkout's own
@@ -38,6 +41,8 @@ from modelopt.torch.export import export_hf_checkpoint
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SEED = 0
+ROWS = 16  # rows kept per projection in the bf16 reference file
+KEPT = ((0, 0), (0, 5), (1, 7))  # (layer, expert) whose rows are kept
 CONFIG = dict(
     vocab_size=512,
     hidden_size=256,
@@ -104,6 +109,22 @@ def check_export(path: Path, experts: list[tuple[torch.Tensor, torch.Tensor]]) -
         raise SystemExit("the export does not decode to the model's expert weights")
 
 
+def save_rows(path: Path, experts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The first ROWS rows of KEPT experts' gate, up and down weights, bf16, by export name."""
+    from safetensors.torch import save_file
+
+    inter = CONFIG["moe_intermediate_size"]
+    rows = {}
+    for layer, e in KEPT:
+        gate_up, down = experts[layer]
+        base = f"model.layers.{layer}.mlp.experts.{e}"
+        rows[f"{base}.gate_proj.weight"] = gate_up[e, :ROWS].contiguous()
+        rows[f"{base}.up_proj.weight"] = gate_up[e, inter : inter + ROWS].contiguous()
+        rows[f"{base}.down_proj.weight"] = down[e, :ROWS].contiguous()
+    save_file(rows, path, metadata={"rows": str(ROWS)})
+    path.chmod(0o644)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
@@ -135,6 +156,7 @@ def main() -> None:
     for path in args.out.iterdir():
         path.chmod(0o644)
     check_export(args.out / "model.safetensors", experts)
+    save_rows(args.out.with_name(args.out.name + "-bf16-rows.safetensors"), experts)
     config = json.loads((args.out / "config.json").read_text())
     sizes = {p.name: p.stat().st_size for p in sorted(args.out.iterdir())}
     print(json.dumps({"seconds": round(time.perf_counter() - start, 1), "files": sizes}))

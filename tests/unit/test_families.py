@@ -5,10 +5,12 @@ and the expert math of a layer without a post-expert norm."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from expertd.kernels.reference import reference_forward, relative_error
 from expertd.server.checkpoint import CheckpointError, CheckpointReader, write_checkpoint
@@ -273,3 +275,23 @@ def test_forward_without_post_expert_norm_is_the_weighted_sum_of_experts():
     normed = type(layer)(*[getattr(layer, f) for f in ("experts", "num_experts", "gate", "up", "down")],
                          norm_weight=torch.zeros(256, dtype=torch.bfloat16))  # fmt: skip
     assert relative_error(reference_forward(normed, x, ids, w), want) > 0.1
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_modelopt_export_decodes_to_the_models_bf16_weights():
+    """The committed ModelOpt export (scripts/make_qwen3_moe_fixture.py), read by expertd, is
+    the model it was made from: kept rows of its bf16 expert weights within NVFP4's rounding
+    (~0.1 relative; a wrong nibble order, sign bit or gate/up placement gives ~1.4)."""
+    reader = CheckpointReader(FIXTURES / "qwen3-moe-tiny")
+    rows = load_file(FIXTURES / "qwen3-moe-tiny-bf16-rows.safetensors")
+    assert len(rows) == 9
+    for name, want in rows.items():
+        layer, expert, proj = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj", name).groups()  # fmt: skip
+        got = getattr(reader.load_layer(int(layer), [int(expert)]), proj).dequantize()[0]
+        err = relative_error(got[: want.shape[0]], want.float())
+        assert 0.02 < err < 0.15, f"{name}: {err:.3f}"
+    # E2M1 -0 (sign bit, zero magnitude) occurs in the export and decodes to zero.
+    codes = reader.load_layer(0, [0]).gate.weight
+    assert ((codes & 0x0F) == 0x08).any() or ((codes >> 4) == 0x08).any()
