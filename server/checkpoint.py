@@ -308,8 +308,10 @@ class CheckpointReader:
         self.layers = sorted(max_expert)
         # A post-expert norm (muse-spark) is a property of the model: every layer has one
         # when any does, or when our own config says the preset has one.
-        preset = (self.config.get("expertd") or {}).get("preset")
-        self.post_norm = bool(norm_layers) or (preset in PRESETS and PRESETS[preset].post_norm)
+        ours = self.config.get("expertd")
+        preset = ours.get("preset") if isinstance(ours, dict) else None
+        known = isinstance(preset, str) and preset in PRESETS
+        self.post_norm = bool(norm_layers) or (known and PRESETS[preset].post_norm)
         shapes = {}
         for layer in self.layers:
             # The shape most experts agree on, so one bad expert is reported by name
