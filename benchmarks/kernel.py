@@ -4,6 +4,11 @@ docs/performance.md, with the floor's two rates measured in the same run.
 Prints a table last; writes JSON + PNG (log-log time vs M with the floor) under --out.
 
     python benchmarks/kernel.py --out $OUT [--ms 1,2,4] [--compare-lib OTHER.so]
+    python benchmarks/kernel.py --preset deepseek-v3     # a family's shape (docs/models.md)
+
+--preset runs another family's expert shape (server/synthetic.py's presets: deepseek-v3,
+qwen3-235b-a22b, qwen3-30b-a3b, ...), a shard of 1/8 of its experts, with the family's post-
+expert norm or none; files are named kernel-KIND-PRESET-DATE (muse-spark keeps the old name).
 
 Timings: median over repetitions of (time of N back-to-back calls) / N, CUDA events, after
 warm-up, cycling over input sets (default_sets: 32 at M <= 2, 8 to M = 64, 4 above). `graph` =
@@ -35,11 +40,24 @@ from expertd.kernels.cuda import CudaBackend, GraphedForward, kernel_path, pick_
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.nvfp4 import Nvfp4Weight, quantize
 from expertd.kernels.reference import RMS_EPS, relative_error
+from expertd.server.synthetic import PRESETS
 
 M_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 H, INTER, E, TOP_K, EL = 4096, 4096, 256, 8, 32
+POST_NORM = True  # muse-spark's post-expert norm; the released families have none
+PRESET = "muse-spark"
 SETS = 4
 LOCAL_EXPERTS = tuple(range(32, 32 + EL))  # the benchmark's shard: 1 of 8
+
+
+def use_preset(name: str) -> None:
+    """Set the shape globals to a preset's: H, I, E, top_k, its norm, a shard of E/8 experts
+    (the second of eight)."""
+    global H, INTER, E, TOP_K, EL, POST_NORM, PRESET, LOCAL_EXPERTS
+    p = PRESETS[name]
+    H, INTER, E, TOP_K = p.hidden_size, p.intermediate_size, p.num_experts, p.top_k
+    EL, POST_NORM, PRESET = E // 8, p.post_norm, name
+    LOCAL_EXPERTS = tuple(range(EL, 2 * EL))
 
 
 def default_sets(m: int) -> int:
@@ -54,8 +72,8 @@ BTS = (8, 16, 32, 48, 64, 96, 128, 144, 160)  # the compiled tile sizes (moe_nvf
 
 
 def gpu_layer(seed: int = 0) -> ShardLayer:
-    """32 muse-spark-shaped experts drawn and quantized on the GPU (fast; not the synthetic
-    checkpoint's exact tensors, same statistics)."""
+    """EL experts of the preset's shape (32 of muse-spark's) drawn and quantized on the GPU
+    (fast; not the synthetic checkpoint's exact tensors, same statistics)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def proj(n, k, gain):
@@ -72,6 +90,7 @@ def gpu_layer(seed: int = 0) -> ShardLayer:
         )
 
     norm = (torch.randn(H, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    norm = norm if POST_NORM else None
     return ShardLayer(
         LOCAL_EXPERTS, E, proj(INTER, H, 1.0), proj(INTER, H, 2.5), proj(H, INTER, 1.0), norm
     )
@@ -187,7 +206,7 @@ class Baseline:
             (layer.gate.dequantize(torch.float32), layer.up.dequantize(torch.float32)), dim=1
         ).to(torch.bfloat16)
         self.w2 = layer.down.dequantize(torch.float32).to(torch.bfloat16)
-        self.scale = 1.0 + layer.norm_weight.float()
+        self.scale = None if layer.norm_weight is None else 1.0 + layer.norm_weight.float()
         self.local_of = layer.global_to_local("cuda").long()
 
     def __call__(self, x, ids, w):
@@ -197,8 +216,12 @@ class Baseline:
             tok, j = torch.nonzero(slots == e, as_tuple=True)
             hdn = x[tok] @ self.w13[e].T
             act = torch.nn.functional.silu(hdn[:, :INTER]) * hdn[:, INTER:]
-            z = (act @ self.w2[e].T).float() * self.scale
-            r = z * torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + RMS_EPS)
+            z = (act @ self.w2[e].T).float()
+            if self.scale is None:
+                r = z
+            else:
+                z = z * self.scale
+                r = z * torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + RMS_EPS)
             out.index_add_(0, tok, r * w[tok, j].unsqueeze(-1))
         return out.to(torch.bfloat16)
 
@@ -221,6 +244,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
     ap.add_argument("--kind", default="nvidia-h200")
+    ap.add_argument("--preset", default="muse-spark", choices=sorted(PRESETS))
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
     ap.add_argument("--bt-list", default="", help="tile sizes of the BT sweep (default: all)")
@@ -239,6 +263,7 @@ def main() -> int:
         "the sets' mix of 0-3 hit experts moves the mean",
     )
     args = ap.parse_args()
+    use_preset(args.preset)
     ms = [int(v) for v in args.ms.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +312,8 @@ def main() -> int:
         "copy_clocks": copy_clocks,
         "matmul_clocks": matmul_clocks,
         "graph_floor_us": graph_floor,
-        "preset": "muse-spark",
+        "preset": PRESET,
+        "shape": {"H": H, "I": INTER, "E": E, "top_k": TOP_K, "post_norm": POST_NORM},
         "local_experts": EL,
         "expert_bytes": expert_bytes,
         "timing": "median of reps x (N back-to-back calls)/N, CUDA events, rotating input sets "
@@ -295,6 +321,8 @@ def main() -> int:
         "rows": [],
     }
     stem = f"kernel-{args.kind}-{date}"
+    if PRESET != "muse-spark":
+        stem = f"kernel-{args.kind}-{PRESET}-{date}"
     rows = []
     for m in ms:
         sets = []
@@ -405,7 +433,7 @@ def main() -> int:
             ax.loglog(mm, [r["baseline_us"] for r in rows], "s-", label="baseline bf16 torch")
         ax.set_xlabel("tokens M")
         ax.set_ylabel("time per forward (us)")
-        ax.set_title(f"expertd shard forward, muse-spark, {EL} experts, {name}")
+        ax.set_title(f"expertd shard forward, {PRESET}, {EL} experts, {name}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.savefig(out_dir / f"{stem}.png", dpi=120, bbox_inches="tight")

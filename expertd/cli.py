@@ -21,6 +21,9 @@ import expertd
 ENV_PREFIX = "EXPERTD_"
 DEFAULT_PORT = 50051
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"  # serve's default, and where health looks
+# The synthetic presets of server/synthetic.py, named here so that help imports no torch
+# (tests/unit/test_cli_parse.py checks the two lists agree).
+PRESETS = ("small", "muse-spark", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b")
 _UNSET = object()  # "not on the command line": the environment or the default decides
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -210,8 +213,8 @@ def _serve_parser(sub) -> None:
         "--synthetic",
         env="SYNTHETIC",
         metavar="PRESET",
-        choices=("small", "muse-spark"),
-        help="generate weights in memory: small | muse-spark",
+        choices=PRESETS,
+        help="generate weights in memory: " + " | ".join(PRESETS),
         group=src,
     )
     o("--layers", env="LAYERS", type=_int(1), help="layers to serve", shown="all", group=src)
@@ -733,8 +736,8 @@ def _cluster_parser(sub) -> None:
     o(
         "--synthetic",
         metavar="PRESET",
-        choices=("small", "muse-spark"),
-        help="small | muse-spark",
+        choices=PRESETS,
+        help=" | ".join(PRESETS),
         group=src,
     )
     o("--layers", type=_int(1), help="layers to serve", shown="all", group=src)
@@ -805,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic NVFP4 checkpoint")
     mk.add_argument("dir", help="directory to write (created)")
-    mk.option("--preset", default="small", choices=["small", "muse-spark"], help="model shape")
+    mk.option("--preset", default="small", choices=PRESETS, help="model shape")
     mk.option("--layers", type=_int(1), default=2, help="layers")
     mk.option("--seed", type=_int(0), default=0, help="weights' seed")
     mk.option("--prefix", default="model.", help="tensor-name prefix")

@@ -42,7 +42,7 @@ class Backend(Protocol):
 class _DenseState:
     w13: torch.Tensor  # float32 [El, 2I, H]
     w2: torch.Tensor  # float32 [El, H, I]
-    norm_weight: torch.Tensor  # float32 [H]
+    norm_weight: torch.Tensor | None  # float32 [H]; None: no post-expert norm
     local_of: torch.Tensor  # int32 [E + 1]
 
 
@@ -65,7 +65,8 @@ class ReferenceBackend:
         return out.to(torch.bfloat16)
 
     def resident_bytes(self, state: _DenseState) -> int:
-        return sum(t.numel() * t.element_size() for t in (state.w13, state.w2, state.norm_weight))
+        tensors = (state.w13, state.w2, state.norm_weight)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 _FACTORIES: dict[str, Callable[[torch.device], Backend]] = {"reference": ReferenceBackend}

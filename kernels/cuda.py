@@ -50,6 +50,7 @@ class _Args(ctypes.Structure):
         ("bt", ctypes.c_int),
         ("stream", ctypes.c_void_p),
         ("local_first", ctypes.c_int),
+        ("rms_norm", ctypes.c_int),
     ]
 
 
@@ -121,7 +122,8 @@ class CudaState:
     w13_gscale: torch.Tensor  # fp32 [El, 2]: (gate, up) weight_scale_2
     w2: PackedProjection  # [El, H/16, I/64, ...]
     w2_gscale: torch.Tensor  # fp32 [El]
-    norm_weight: torch.Tensor  # bf16 [H]
+    norm_weight: torch.Tensor  # bf16 [H] (zeros for a layer without a post-expert norm)
+    rms_norm: bool  # the post-expert RMS norm applies (muse-spark); off: out = sum w * z
     local_of: torch.Tensor  # int32 [E + 1]
     local_first: int  # the first owned id when they are a range (no table lookups), else -1
     hidden_size: int
@@ -164,7 +166,13 @@ def prepare_state(layer: ShardLayer, device: torch.device) -> CudaState:
         w13_gscale=gs13,
         w2=w2,
         w2_gscale=layer.down.weight_scale_2.float().contiguous(),
-        norm_weight=layer.norm_weight.to(torch.bfloat16).contiguous(),
+        # Without a post-expert norm, (1 + 0) leaves z = W2 a, and rms_norm = 0 drops the RMS.
+        norm_weight=(
+            torch.zeros(h, dtype=torch.bfloat16, device=device)
+            if layer.norm_weight is None
+            else layer.norm_weight.to(torch.bfloat16).contiguous()
+        ),
+        rms_norm=layer.norm_weight is not None,
         local_of=layer.global_to_local(device),
         local_first=_range_start(layer.experts),
         hidden_size=h,
@@ -318,6 +326,7 @@ class CudaBackend:
             bt=bt,
             stream=torch.cuda.current_stream(self.device).cuda_stream,
             local_first=state.local_first,
+            rms_norm=int(state.rms_norm),
         )
         with torch.cuda.device(self.device):
             _check(self._lib, self._lib.expertd_moe_forward(ctypes.byref(args)), "moe forward")

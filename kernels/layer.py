@@ -21,7 +21,9 @@ class ShardLayer:
     gate: Nvfp4Weight  # [El, I, H/2] codes, [El, I, H/16] scales, [El] global scales
     up: Nvfp4Weight  # [El, I, H/2], ...
     down: Nvfp4Weight  # [El, H, I/2], ...
-    norm_weight: torch.Tensor  # bf16 [H]; the norm multiplies by (1 + norm_weight)
+    # bf16 [H]: the post-expert RMS norm multiplies by (1 + norm_weight) (muse-spark);
+    # None: the layer has no post-expert norm (Qwen3-MoE, DeepSeek-V3, Mixtral).
+    norm_weight: torch.Tensor | None
 
     def __post_init__(self) -> None:
         el, i, h = len(self.experts), self.intermediate_size, self.hidden_size
@@ -33,7 +35,7 @@ class ShardLayer:
             got = (proj.weight.shape[0], proj.n, proj.k)
             if proj.weight.dim() != 3 or got != shape:
                 raise ValueError(f"{name}: weights of shape {got}, expected {shape}")
-        if tuple(self.norm_weight.shape) != (h,):
+        if self.norm_weight is not None and tuple(self.norm_weight.shape) != (h,):
             raise ValueError(f"norm_weight: shape {tuple(self.norm_weight.shape)}, expected ({h},)")
         if len(set(self.experts)) != el or any(not 0 <= e < self.num_experts for e in self.experts):
             raise ValueError(
@@ -62,7 +64,7 @@ class ShardLayer:
             self.gate.to(device),
             self.up.to(device),
             self.down.to(device),
-            self.norm_weight.to(device),
+            None if self.norm_weight is None else self.norm_weight.to(device),
         )
 
     def global_to_local(self, device: torch.device | str = "cpu") -> torch.Tensor:

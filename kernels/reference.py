@@ -19,22 +19,24 @@ RMS_EPS = 1e-8
 
 
 def dense_weights(layer: ShardLayer, dtype: torch.dtype = torch.float32):
-    """Dequantize a shard layer: (w13 [El, 2I, H], w2 [El, H, I], norm [H]) in `dtype`."""
+    """Dequantize a shard layer: (w13 [El, 2I, H], w2 [El, H, I], norm [H] or None) in `dtype`."""
     w13 = torch.cat((layer.gate.dequantize(dtype), layer.up.dequantize(dtype)), dim=1)
     w2 = layer.down.dequantize(dtype)
-    return w13, w2, layer.norm_weight.to(dtype)
+    norm = None if layer.norm_weight is None else layer.norm_weight.to(dtype)
+    return w13, w2, norm
 
 
 def moe_forward_dense(
     w13: torch.Tensor,  # [El, 2I, H]
     w2: torch.Tensor,  # [El, H, I]
-    norm_weight: torch.Tensor,  # [H]
+    norm_weight: torch.Tensor | None,  # [H], or None: no post-expert norm
     local_of: torch.Tensor,  # int [E + 1]: global id -> local slot or -1; index E is id -1
     x: torch.Tensor,  # [M, H]
     topk_ids: torch.Tensor,  # int [M, K], global ids or -1
     topk_weights: torch.Tensor,  # [M, K]
 ) -> torch.Tensor:
-    """out [M, H] in w13's dtype: sum over owned routes of weight * rmsnorm(expert(x))."""
+    """out [M, H] in w13's dtype: sum over owned routes of weight * rmsnorm(expert(x)),
+    or of weight * expert(x) for a layer without a post-expert norm."""
     dtype = w13.dtype
     m, h = x.shape
     inter = w2.shape[-1]
@@ -43,14 +45,18 @@ def moe_forward_dense(
         return out
     # -1 ("no route") indexes the extra last entry of the table, which is -1 too.
     slots = local_of.to(x.device).long()[topk_ids.long() % local_of.numel()]  # [M, K]
-    scale = 1.0 + norm_weight.to(dtype)  # [H]
+    scale = None if norm_weight is None else 1.0 + norm_weight.to(dtype)  # [H]
     for slot in torch.unique(slots[slots >= 0]).tolist():
         token, route = torch.nonzero(slots == slot, as_tuple=True)  # [R], [R]
         xe = x[token].to(dtype)  # [R, H]
         hidden = xe @ w13[slot].T  # [R, 2I]
         act = torch.nn.functional.silu(hidden[:, :inter]) * hidden[:, inter:]  # [R, I]
-        z = (act @ w2[slot].T) * scale  # [R, H]
-        r = z * torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + RMS_EPS)  # [R, H]
+        z = act @ w2[slot].T  # [R, H]
+        if scale is None:
+            r = z
+        else:
+            z = z * scale
+            r = z * torch.rsqrt(z.square().mean(dim=-1, keepdim=True) + RMS_EPS)  # [R, H]
         out.index_add_(0, token, r * topk_weights[token, route].to(dtype).unsqueeze(-1))
     return out
 
@@ -78,7 +84,7 @@ def reference_forward(
     dev = x.device
     w13 = torch.cat((pick(layer.gate), pick(layer.up)), dim=1).to(dev)
     w2 = pick(layer.down).to(dev)
-    norm = layer.norm_weight.to(dtype)
+    norm = None if layer.norm_weight is None else layer.norm_weight.to(dtype)
     return moe_forward_dense(w13, w2, norm, compact.to(dev), x, topk_ids, topk_weights)
 
 

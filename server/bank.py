@@ -51,6 +51,7 @@ class WeightSource:
 
             self.reader = CheckpointReader(config.checkpoint, prefix=config.prefix)
             r = self.reader
+            log.info("checkpoint %s", r.description)
             self.shape = (r.hidden_size, r.intermediate_size, r.num_experts, r.top_k or 0)
             self.layers = list(r.layers)
             if config.layers is not None:

@@ -1,13 +1,20 @@
-"""NVFP4 checkpoints on disk (docs/protocol.md): the synthetic writer and the lazy reader.
+"""NVFP4 checkpoints on disk (docs/protocol.md, docs/models.md): the synthetic writer and
+the lazy reader of ModelOpt exports and of our own checkpoints.
 
 Layout, one safetensors file per layer plus an index (Hugging Face convention):
 
-    DIR/model-00001-of-0000N.safetensors   layer 0: every expert's 9 tensors + the norm
+    DIR/model-00001-of-0000N.safetensors   layer 0: every expert's 9 tensors (+ the norm)
     DIR/model.safetensors.index.json       {"metadata": {...}, "weight_map": {name: file}}
     DIR/config.json                        hidden_size, moe_intermediate_size, num_experts, ...
+    DIR/hf_quant_config.json               a ModelOpt export's quant_algo, group_size, ...
 
-    {prefix}layers.{L}.mlp.experts.{e}.{gate_proj|up_proj|down_proj}.{weight|weight_scale|weight_scale_2}
-    {prefix}layers.{L}.mlp.post_expert_norm.weight
+    {prefix}layers.{L}.{block}.experts.{e}.{gate|up|down}.{weight|weight_scale|weight_scale_2}
+    {prefix}layers.{L}.mlp.post_expert_norm.weight        (muse-spark layers only)
+
+`block` and the projections' names are the family's (server/families.py: `mlp` with
+gate_proj/up_proj/down_proj for Qwen3-MoE, DeepSeek-V3 and ours; `block_sparse_moe`
+with w1/w3/w2 for Mixtral), found from the names. Every other tensor (attention,
+router, shared experts, dense layers, `input_scale`) is the frontend's and ignored.
 
 The reader also takes one file, or several without an index. It reads headers
 only when opened; `load_layer` then reads just the experts a shard owns, each
@@ -17,6 +24,7 @@ touched, so a bad checkpoint fails with a message naming the tensor.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -33,10 +41,27 @@ from safetensors.torch import save_file
 
 from expertd.kernels.layer import ShardLayer
 from expertd.kernels.nvfp4 import BLOCK, Nvfp4Weight
-from expertd.server.synthetic import PROJECTIONS, Preset, expert_projection, norm_weight
+from expertd.server.families import (
+    CONFIG_FILE,
+    FUSED_LAYOUT,
+    LAYOUTS,
+    QUANT_CONFIG_FILE,
+    ConfigError,
+    ExpertConfig,
+    Layout,
+    expert_config,
+    family_of,
+    read_json,
+)
+from expertd.server.synthetic import (
+    PRESETS,
+    PROJECTIONS,
+    Preset,
+    expert_projection,
+    norm_weight,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 PARTS = ("weight", "weight_scale", "weight_scale_2")
 
 # safetensors header dtype -> torch dtype (for checks and messages).
@@ -46,20 +71,16 @@ _DTYPES = {
     "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
-# config.json field -> the names models use for it (the first is ours).
-_CONFIG_KEYS = {
-    "hidden_size": ("hidden_size",),
-    "moe_intermediate_size": ("moe_intermediate_size",),
-    "num_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
-}
 
 
 class CheckpointError(ValueError):
     """The checkpoint is missing something, or holds a tensor of the wrong dtype or shape."""
 
 
-def expert_name(prefix: str, layer: int, expert: int, proj: str, part: str) -> str:
-    return f"{prefix}layers.{layer}.mlp.experts.{expert}.{proj}.{part}"
+def expert_name(
+    prefix: str, layer: int, expert: int, proj: str, part: str, block: str = "mlp"
+) -> str:
+    return f"{prefix}layers.{layer}.{block}.experts.{expert}.{proj}.{part}"
 
 
 def norm_name(prefix: str, layer: int) -> str:
@@ -124,6 +145,7 @@ def write_checkpoint(
             "num_experts": preset.num_experts,
             "num_experts_per_tok": preset.top_k,
             "num_hidden_layers": layers,
+            "hidden_act": "silu",
             "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
             "expertd": {"preset": preset.name, "seed": seed, "prefix": prefix},
         }
@@ -149,7 +171,8 @@ def _layer_tensors(
             w = expert_projection(preset, seed, layer, e, proj, device)
             for part, t in zip(PARTS, (w.weight, w.weight_scale, w.weight_scale_2), strict=True):
                 tensors[expert_name(prefix, layer, e, proj, part)] = t.cpu().contiguous()
-    tensors[norm_name(prefix, layer)] = norm_weight(preset, seed, layer).contiguous()
+    if preset.post_norm:
+        tensors[norm_name(prefix, layer)] = norm_weight(preset, seed, layer).contiguous()
     return tensors
 
 
@@ -160,9 +183,11 @@ class CheckpointReader:
     """Headers of an NVFP4 checkpoint at open; owned experts' tensors on demand.
 
     `path`: a directory with `model.safetensors.index.json`, a directory of
-    `*.safetensors` files, or one `.safetensors` file. H, I and E come from the
-    tensor shapes and names; `config.json` beside the weights, when present, is
-    cross-checked and supplies `top_k` (`num_experts_per_tok`).
+    `*.safetensors` files, or one `.safetensors` file. The family's layout comes from
+    the tensor names; H, I and E from the tensor shapes and names. `config.json`
+    (and a ModelOpt export's `hf_quant_config.json`) beside the weights, when
+    present, is checked (server/families.py: unsupported settings are refused
+    naming the field), cross-checked against the tensors, and supplies `top_k`.
     """
 
     def __init__(self, path: str | os.PathLike, prefix: str = "model.") -> None:
@@ -171,19 +196,37 @@ class CheckpointReader:
         self._files, self._index = self._find_files()
         # name -> (file, safetensors dtype, shape), for our tensors only.
         self._entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        others: list[str] = []
         for file in self._files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     if name.startswith(prefix):
                         sl = f.get_slice(name)
                         self._entries[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
+                    elif len(others) < 10_000:
+                        others.append(name)
+        self.config, quant = self._read_configs()
+        try:
+            self.expert_config: ExpertConfig = expert_config(
+                self.config, quant, str(self._dir / CONFIG_FILE)
+            )
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+        self.layout = self._find_layout(others)
         self._discover()
-        self.config = self._read_config()
         self._check_config()
-        top_k = self._config_value(("num_experts_per_tok",))
-        self.top_k: int | None = int(top_k) if top_k is not None else None
+        self.top_k: int | None = self.expert_config.top_k
+        if self.top_k is not None and self.top_k > self.num_experts:
+            raise CheckpointError(
+                f"config.json num_experts_per_tok = {self.top_k} exceeds the "
+                f"{self.num_experts} experts in {self.path}"
+            )
 
     # -- opening
+
+    @property
+    def _dir(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
 
     def _find_files(self) -> tuple[list[Path], dict[str, str]]:
         p = self.path
@@ -209,24 +252,66 @@ class CheckpointReader:
             raise CheckpointError(f"{p} holds no *.safetensors file and no {INDEX_FILE}")
         return files, {}
 
+    def _read_configs(self) -> tuple[dict, dict | None]:
+        config = read_json(self._dir / CONFIG_FILE, CheckpointError) or {}
+        quant = read_json(self._dir / QUANT_CONFIG_FILE, CheckpointError)
+        return config, quant
+
+    def _find_layout(self, others: list[str]) -> Layout:
+        """The family's expert layout, from the first routed-expert tensor's name."""
+        head = re.escape(self.prefix) + r"layers\.\d+\.(\w+)\.experts\.\d+\.(\w+)\."
+        names = {(m.group(1), m.group(2)) for n in self._entries if (m := re.match(head, n))}
+        for layout in LAYOUTS.values():
+            if any(block == layout.block and proj in layout.projections for block, proj in names):
+                family = family_of([self.expert_config.architecture or ""])
+                if family is not None and LAYOUTS[family.layout] != layout:
+                    raise CheckpointError(
+                        f"{self.path}: config.json architectures = "
+                        f"{self.expert_config.architecture!r} keeps its experts under "
+                        f"'{LAYOUTS[family.layout].block}', but the tensors are under "
+                        f"'{layout.block}'"
+                    )
+                return layout
+        fused = [n for n in [*self._entries, *others] if FUSED_LAYOUT.search(n)]
+        if fused:
+            raise CheckpointError(
+                f"{self.path}: {fused[0]} holds every expert of a layer in one fused tensor "
+                "(the Llama-4 layout); expertd loads per-expert tensors only (docs/models.md)"
+            )
+        # Name the prefix the experts are under, when they are under another one.
+        anywhere = re.compile(r"(.*?)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.")
+        hint = next((m.group(1) for n in others if (m := anywhere.match(n))), None)
+        found = f"; the experts are under the prefix {hint!r}" if hint is not None else ""
+        known = ", ".join(f"{lay.block}.experts.<e>.{lay.gate}" for lay in LAYOUTS.values())
+        raise CheckpointError(
+            f"{self.path}: no tensor named {self.prefix}layers.<L>.<block>.experts.<e>.* "
+            f"(known: {known}; is the prefix {self.prefix!r} right?{found})"
+        )
+
     def _discover(self) -> None:
         """Find layers and expert ids from names; H, I, E from shapes; all layers must agree."""
+        lay = self.layout
         pattern = re.compile(
-            re.escape(self.prefix) + r"layers\.(\d+)\.mlp\.(?:experts\.(\d+)\.|post_expert_norm\.)"
+            re.escape(self.prefix) + rf"layers\.(\d+)\.{lay.block}\.experts\.(\d+)\."
+            rf"(?:{lay.gate}|{lay.up}|{lay.down})\."
         )
+        norms = re.compile(re.escape(self.prefix) + r"layers\.(\d+)\.mlp\.post_expert_norm\.")
         max_expert: dict[int, int] = {}
+        norm_layers = set()
         for name in self._entries:
             m = pattern.match(name)
             if m:
-                layer = int(m.group(1))
-                e = int(m.group(2)) if m.group(2) is not None else -1
+                layer, e = int(m.group(1)), int(m.group(2))
                 max_expert[layer] = max(max_expert.get(layer, -1), e)
-        if not max_expert:
-            raise CheckpointError(
-                f"{self.path}: no tensor named {self.prefix}layers.<L>.mlp.experts.<e>.* "
-                f"(is the prefix {self.prefix!r} right?)"
-            )
+            elif m := norms.match(name):
+                norm_layers.add(int(m.group(1)))
         self.layers = sorted(max_expert)
+        # A post-expert norm (muse-spark) is a property of the model: every layer has one
+        # when any does, or when our own config says the preset has one.
+        ours = self.config.get("expertd")
+        preset = ours.get("preset") if isinstance(ours, dict) else None
+        known = isinstance(preset, str) and preset in PRESETS
+        self.post_norm = bool(norm_layers) or (known and PRESETS[preset].post_norm)
         shapes = {}
         for layer in self.layers:
             # The shape most experts agree on, so one bad expert is reported by name
@@ -234,10 +319,12 @@ class CheckpointReader:
             found = Counter(
                 self._entries[n][2]
                 for e in range(max_expert[layer] + 1)
-                if (n := expert_name(self.prefix, layer, e, "gate_proj", "weight")) in self._entries
+                if (n := self.name(layer, e, lay.gate, "weight")) in self._entries
             )
             if not found or len(found.most_common(1)[0][0]) != 2:
-                raise CheckpointError(f"layer {layer}: no gate_proj.weight of shape [I, H/2]")
+                raise CheckpointError(
+                    f"layer {layer}: no {lay.block}.experts.<e>.{lay.gate}.weight of shape [I, H/2]"
+                )
             (i, half_h), _ = found.most_common(1)[0]
             shapes[layer] = (2 * half_h, i, max_expert[layer] + 1)
         distinct = set(shapes.values())
@@ -245,26 +332,10 @@ class CheckpointReader:
             detail = ", ".join(f"layer {L}: H={h} I={i} E={e}" for L, (h, i, e) in shapes.items())
             raise CheckpointError(f"{self.path}: layers disagree on their shapes ({detail})")
         self.hidden_size, self.intermediate_size, self.num_experts = distinct.pop()
-
-    def _read_config(self) -> dict:
-        config_path = (self.path if self.path.is_dir() else self.path.parent) / CONFIG_FILE
-        if not config_path.is_file():
-            return {}
-        try:
-            config = json.loads(config_path.read_text())
-        except ValueError as exc:
-            raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{config_path}: expected a JSON object")
-        return config
-
-    def _config_value(self, keys: tuple[str, ...]) -> object:
-        # Multimodal configs nest the language model's fields under text_config.
-        for scope in (self.config, self.config.get("text_config") or {}):
-            for key in keys:
-                if key in scope:
-                    return scope[key]
-        return None
+        # An expert id absent from every layer's names still counts when the config says E.
+        stated = self.expert_config.num_experts
+        if stated is not None and stated > self.num_experts:
+            self.num_experts = stated
 
     def _check_config(self) -> None:
         ours = {
@@ -272,8 +343,12 @@ class CheckpointReader:
             "moe_intermediate_size": self.intermediate_size,
             "num_experts": self.num_experts,
         }
-        for field, keys in _CONFIG_KEYS.items():
-            value = self._config_value(keys)
+        stated = {
+            "hidden_size": self.expert_config.hidden_size,
+            "moe_intermediate_size": self.expert_config.intermediate_size,
+            "num_experts": self.expert_config.num_experts,
+        }
+        for field, value in stated.items():
             if value is not None and value != ours[field]:
                 raise CheckpointError(
                     f"config.json {field} = {value}, but the tensors in {self.path} "
@@ -282,6 +357,10 @@ class CheckpointReader:
 
     # -- properties
 
+    def name(self, layer: int, expert: int, proj: str, part: str) -> str:
+        """The file's name of one tensor of a routed expert (`proj` in the file's naming)."""
+        return expert_name(self.prefix, layer, expert, proj, part, self.layout.block)
+
     @property
     def description(self) -> str:
         layers = self.layers
@@ -289,7 +368,8 @@ class CheckpointReader:
         return (
             f"{self.path} ({len(self._files)} file{'s' * (len(self._files) != 1)}, "
             f"{len(layers)} layer{'s' * (len(layers) != 1)} [{span}], E={self.num_experts}, "
-            f"H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k})"
+            f"H={self.hidden_size}, I={self.intermediate_size}, top_k={self.top_k}, "
+            f"{self.expert_config.describe()}, post-expert norm {'yes' if self.post_norm else 'no'})"
         )
 
     def expected(self, name: str) -> tuple[torch.dtype, tuple[tuple[int, ...], ...]]:
@@ -297,7 +377,7 @@ class CheckpointReader:
         h, i = self.hidden_size, self.intermediate_size
         if name.endswith(".post_expert_norm.weight"):
             return torch.bfloat16, ((h,),)
-        n, k = (h, i) if ".down_proj." in name else (i, h)
+        n, k = (h, i) if f".{self.layout.down}." in name else (i, h)
         if name.endswith(".weight_scale_2"):
             return torch.float32, ((), (1,))
         if name.endswith(".weight_scale"):
@@ -320,22 +400,41 @@ class CheckpointReader:
 
     def _layer_names(self, layer: int, experts: list[int]) -> list[str]:
         names = [
-            expert_name(self.prefix, layer, e, proj, part)
+            self.name(layer, e, proj, part)
             for e in experts
-            for proj in PROJECTIONS
+            for proj in self.layout.projections
             for part in PARTS
         ]
-        return [*names, norm_name(self.prefix, layer)]
+        return [*names, norm_name(self.prefix, layer)] if self.post_norm else names
+
+    def _excluded(self, name: str) -> str | None:
+        """The exclude_modules pattern that left `name`'s module unquantized, if any."""
+        module = name.rsplit(".", 1)[0]
+        for pattern in self.expert_config.exclude_modules:
+            if fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(
+                module.removeprefix(self.prefix), pattern
+            ):
+                return pattern
+        return None
 
     def _validate(self, name: str, layer: int) -> tuple[Path, tuple[int, ...]]:
         """Header of one tensor, checked: present, expected dtype and shape."""
+        excluded = self._excluded(name)
+        hint = (
+            f" ({QUANT_CONFIG_FILE} exclude_modules {excluded!r} left it unquantized; "
+            "expertd serves NVFP4 experts only)"
+            if excluded
+            else ""
+        )
         if name not in self._entries:
             where = self._index.get(name)
             if where is None:
                 head = f"{self.prefix}layers.{layer}."
                 files = {f.name for n, (f, _, _) in self._entries.items() if n.startswith(head)}
                 where = ", ".join(sorted(files)) or ", ".join(f.name for f in self._files)
-            raise CheckpointError(f"missing tensor {name} (looked in {where} under {self.path})")
+            raise CheckpointError(
+                f"missing tensor {name} (looked in {where} under {self.path}){hint}"
+            )
         file, st_dtype, shape = self._entries[name]
         dtype, shapes = self.expected(name)
         if _DTYPES.get(st_dtype) != dtype:
@@ -344,7 +443,7 @@ class CheckpointReader:
             )
             raise CheckpointError(
                 f"tensor {name} in {file.name}: dtype {found}, expected "
-                f"{str(dtype).removeprefix('torch.')}"
+                f"{str(dtype).removeprefix('torch.')}{hint}"
             )
         if shape not in shapes:
             raise CheckpointError(
@@ -384,8 +483,8 @@ class CheckpointReader:
                     handles[file] = opened.enter_context(safe_open(file, framework="pt"))
                 return handles[file].get_tensor(name)
 
-            for proj in PROJECTIONS:
-                n, k = (h, i) if proj == "down_proj" else (i, h)
+            for ours, proj in zip(PROJECTIONS, self.layout.projections, strict=True):
+                n, k = (h, i) if ours == "down_proj" else (i, h)
                 out = (
                     torch.empty((el, n, k // 2), dtype=torch.uint8, device=device),
                     torch.empty((el, n, k // BLOCK), dtype=torch.float8_e4m3fn, device=device),
@@ -393,11 +492,11 @@ class CheckpointReader:
                 )
                 for slot, e in enumerate(experts):
                     for part, dst in zip(PARTS, out, strict=True):
-                        name = expert_name(self.prefix, layer, e, proj, part)
-                        dst[slot].copy_(read(name).reshape(dst[slot].shape))
-                stacks[proj] = Nvfp4Weight(*out)
-            name = norm_name(self.prefix, layer)
-            norm = read(name).to(device)
+                        dst[slot].copy_(
+                            read(self.name(layer, e, proj, part)).reshape(dst[slot].shape)
+                        )
+                stacks[ours] = Nvfp4Weight(*out)
+            norm = read(norm_name(self.prefix, layer)).to(device) if self.post_norm else None
         return ShardLayer(
             experts=tuple(experts),
             num_experts=self.num_experts,

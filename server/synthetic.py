@@ -23,14 +23,18 @@ class Preset:
     intermediate_size: int  # I
     num_experts: int  # E
     top_k: int
+    post_norm: bool = False  # the layer ends with muse-spark's post-expert RMS norm
 
 
 PRESETS = {
     # Fast on two CPU cores, and legal for the GPU kernel (H, I multiples of 256).
-    "small": Preset("small", hidden_size=512, intermediate_size=256, num_experts=64, top_k=8),
-    "muse-spark": Preset(
-        "muse-spark", hidden_size=4096, intermediate_size=4096, num_experts=256, top_k=8
-    ),
+    "small": Preset("small", 512, 256, 64, 8, post_norm=True),
+    "muse-spark": Preset("muse-spark", 4096, 4096, 256, 8, post_norm=True),
+    # The routed experts of released families (server/families.py, docs/models.md): the
+    # shapes of their config.json, no post-expert norm.
+    "deepseek-v3": Preset("deepseek-v3", 7168, 2048, 256, 8),  # also DeepSeek-R1
+    "qwen3-235b-a22b": Preset("qwen3-235b-a22b", 4096, 1536, 128, 8),
+    "qwen3-30b-a3b": Preset("qwen3-30b-a3b", 2048, 768, 128, 8),
 }
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -97,5 +101,5 @@ def synthetic_layer(
         gate=stacks["gate_proj"],
         up=stacks["up_proj"],
         down=stacks["down_proj"],
-        norm_weight=norm_weight(preset, seed, layer).to(device),
+        norm_weight=norm_weight(preset, seed, layer).to(device) if preset.post_norm else None,
     )

@@ -3,6 +3,7 @@
 // What it computes (docs/protocol.md), for every route (t, j) whose expert e is owned here:
 //     h = W13[e] @ x[t];  a = silu(h[:I]) * h[I:];  z = (W2[e] @ a) * (1 + w_norm)
 //     out[t] = sum_j topk_weights[t, j] * z / sqrt(mean(z^2) + 1e-8)
+// A layer without a post-expert norm (rms_norm = 0, w_norm = 0) gets out[t] = sum_j w_j * z.
 // x and out are bf16 [M, H]; every element of out is written (zeros for a token with no owned
 // route). Weights are NVFP4: E2M1 codes, an fp8 e4m3 scale per 16 k, and an fp32
 // weight_scale_2 per projection (gate and up may differ); accumulation is fp32, the
@@ -1437,8 +1438,9 @@ __device__ __forceinline__ float route_sq_sum(const int p, const float* __restri
   return s;
 }
 __device__ __forceinline__ float route_coef(const int p, const float w, const float s,
-                                            const int h) {
-  return p >= 0 ? w / sqrtf(s / static_cast<float>(h) + kRmsEps) : 0.0f;
+                                            const int h, const int rms_norm) {
+  if (p < 0) return 0.0f;
+  return rms_norm ? w / sqrtf(s / static_cast<float>(h) + kRmsEps) : w;
 }
 
 // Token t's coefficients coef_j = w_j / rms_j (route_sq_sum, route_coef) and positions (-1: route
@@ -1447,7 +1449,7 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
                                                const float* __restrict__ topk_weights,
                                                const int top_k, const float* __restrict__ partial,
                                                const int nparts, const int pcap, const int h,
-                                               float* coef, int* pos) {
+                                               const int rms_norm, float* coef, int* pos) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int j = warp; j < top_k; j += nwarps) {
     const long long rj = static_cast<long long>(t) * top_k + j;
@@ -1457,7 +1459,7 @@ __device__ __forceinline__ void finalize_coefs(const int t, const int* __restric
     const float wj = topk_weights[rj];
     const float sj = route_sq_sum(p, partial, nparts, pcap, lane);
     if (lane == 0) {
-      coef[j] = route_coef(p, wj, sj, h);
+      coef[j] = route_coef(p, wj, sj, h, rms_norm);
       pos[j] = p;
     }
   }
@@ -1544,7 +1546,8 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
                                                   const int top_k, const uint16_t* __restrict__ z,
                                                   const float* __restrict__ partial,
                                                   const int nparts, const int pcap, const int h,
-                                                  uint16_t* __restrict__ out, float* coef) {
+                                                  const int rms_norm, uint16_t* __restrict__ out,
+                                                  float* coef) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int c = threadIdx.x;  // this thread's chunk (h / 8 <= blockDim.x)
   const long long r0 = static_cast<long long>(t) * top_k;
@@ -1562,7 +1565,7 @@ __device__ __forceinline__ void finalize_one_trip(const int t, const int* __rest
                : make_uint4(0u, 0u, 0u, 0u);
   if (warp < top_k) {
     const float sw = route_sq_sum(pw, partial, nparts, pcap, lane);
-    if (lane == 0) coef[warp] = route_coef(pw, ww, sw, h);
+    if (lane == 0) coef[warp] = route_coef(pw, ww, sw, h, rms_norm);
   }
   __syncthreads();
   if (c >= h / 8) return;
@@ -1582,18 +1585,21 @@ template <bool BATCHED>
 __global__ void finalize_kernel(const int* __restrict__ pos_of_route,
                                 const float* __restrict__ topk_weights, int top_k,
                                 const uint16_t* __restrict__ z, const float* __restrict__ partial,
-                                int nparts, int pcap, int h, uint16_t* __restrict__ out) {
+                                int nparts, int pcap, int h, int rms_norm,
+                                uint16_t* __restrict__ out) {
   extern __shared__ float fsm[];
   float* coef = fsm;
   int* pos = reinterpret_cast<int*>(fsm + top_k);
   const int t = blockIdx.x;
   if (BATCHED && top_k <= kFinBatch && top_k <= static_cast<int>(blockDim.x >> 5) &&
       h / 8 <= static_cast<int>(blockDim.x)) {
-    finalize_one_trip(t, pos_of_route, topk_weights, top_k, z, partial, nparts, pcap, h, out, coef);
+    finalize_one_trip(t, pos_of_route, topk_weights, top_k, z, partial, nparts, pcap, h, rms_norm,
+                      out, coef);
     return;
   }
   pdl_wait();
-  finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, coef, pos);
+  finalize_coefs(t, pos_of_route, topk_weights, top_k, partial, nparts, pcap, h, rms_norm, coef,
+                 pos);
   for (int c = threadIdx.x; c < h / 8; c += blockDim.x) {
     if constexpr (BATCHED)
       finalize_chunk_batched(t, c, top_k, coef, pos, z, h, out);
@@ -2214,6 +2220,7 @@ struct ExpertdMoeArgs {
   int bt;                     // 0: expertd_pick_bt
   void* stream;               // cudaStream_t
   int local_first;            // >= 0: the shard owns ids local_first .. + el - 1; -1: local_of
+  int rms_norm;               // 1: the post-expert RMS norm (muse-spark); 0: out = sum w_j z_j
 };
 
 const char* expertd_last_error(void) { return g_error; }
@@ -2386,7 +2393,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
                 static_cast<size_t>(a.top_k) * 8, stream, c.pos_of_route,
                 static_cast<const float*>(a.topk_weights), a.top_k,
                 static_cast<const uint16_t*>(c.z), static_cast<const float*>(c.partial),
-                p.nparts, p.pcap, a.h, static_cast<uint16_t*>(a.out));
+                p.nparts, p.pcap, a.h, a.rms_norm, static_cast<uint16_t*>(a.out));
 }
 
 }  // extern "C"

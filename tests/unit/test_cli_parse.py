@@ -131,3 +131,9 @@ def test_health_address_order(monkeypatch):
     monkeypatch.setenv("EXPERTD_HEALTH_LISTEN", "[::]:7001")
     assert cli.health_address(None) == "127.0.0.1:7001"
     assert cli.health_address("10.0.0.1:5") == "10.0.0.1:5"
+
+
+def test_the_cli_names_every_synthetic_preset():
+    from expertd.server.synthetic import PRESETS
+
+    assert set(cli.PRESETS) == set(PRESETS)

@@ -3,6 +3,7 @@ environment variables it reads (cache, prebuilt library) and those it does not."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -69,11 +70,16 @@ def test_kernel_source_reads_no_environment():
 
 
 def test_args_mirror_and_owned_range():
-    """The ctypes mirror of ExpertdMoeArgs ends with local_first, and a shard's experts pass as a
-    range (no table lookups in the kernels) only when they are consecutive ids in order."""
+    """The ctypes mirror of ExpertdMoeArgs has the C struct's fields in its order, and a shard's
+    experts pass as a range (no table lookups in the kernels) only when they are consecutive
+    ids in order."""
     from expertd.kernels import cuda
 
-    assert [name for name, _ in cuda._Args._fields_][-2:] == ["stream", "local_first"]
+    source = (build.CSRC / "moe_nvfp4.cu").read_text()
+    body = re.search(r"struct ExpertdMoeArgs \{(.*?)\n\};", source, re.S).group(1)
+    fields = re.findall(r"^\s*[\w\s\*]+?[\s\*](\w+);", body, re.M)
+    assert [name for name, _ in cuda._Args._fields_] == fields
+    assert fields[-3:] == ["stream", "local_first", "rms_norm"]
     assert cuda._range_start((32, 33, 34, 35)) == 32
     assert cuda._range_start((0,)) == 0
     assert cuda._range_start((3, 70, 128, 255)) == -1
