@@ -298,6 +298,14 @@ class SlotRegistry:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", creds)[0]
         lease = Lease(self, pending.lease_id, conn, pid)
+        try:
+            self._share_slots(conn, lease, pending)
+        except BaseException:  # a refused or broken registration keeps no mapping
+            lease.close()
+            raise
+        return lease
+
+    def _share_slots(self, conn: socket.socket, lease: Lease, pending) -> None:
         fds = []
         try:
             for i in range(pending.slots):
@@ -315,7 +323,10 @@ class SlotRegistry:
         if not proof.startswith(dp.PROOF) or len(nonces) != 8 * pending.slots:
             raise ValueError("malformed mapping proof")
         for slot, (nonce,) in zip(lease.slots, struct.iter_unpack("<Q", nonces), strict=True):
-            if nonce == 0 or slot.ctl.nonce != nonce:
+            ctl = slot.ctl
+            if ctl is None:
+                raise ValueError("the lease ended during registration")
+            if nonce == 0 or ctl.nonce != nonce:
                 raise ValueError("mapping proof failed: the slot memory is not shared")
         with self._lock:
             if self._closed:
@@ -324,7 +335,10 @@ class SlotRegistry:
         self.servicer.metrics.dataplane_leases.labels(lease.transport).inc()
         self.servicer.metrics.dataplane_slots.labels(lease.transport).inc(len(lease.slots))
         for slot in lease.slots:
-            slot.ctl.nonce = 0
+            ctl = slot.ctl
+            if ctl is None:
+                raise ValueError("the lease ended during registration")
+            ctl.nonce = 0
             slot.thread = threading.Thread(
                 target=self._wait_loop, args=(slot,), name="expertd-slot", daemon=True
             )
@@ -335,9 +349,8 @@ class SlotRegistry:
             lease.lease_id,
             len(lease.slots),
             pending.layout.max_tokens,
-            pid,
+            lease.pid,
         )
-        return lease
 
     def _dropped(self, lease: Lease) -> None:
         with self._lock:
