@@ -18,7 +18,7 @@ $(BIN)/expertd: pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || { \
 	  echo "== installing $(TORCH) into $(VENV) (none there; for a GPU, install a CUDA torch first)"; \
 	  $(BIN)/pip install '$(TORCH)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); }
-	@$(BIN)/python -c "import torch; print('== torch', torch.__version__, 'CUDA', torch.version.cuda or 'none')"
+	@$(BIN)/python -W ignore -c "import torch; print('== torch', torch.__version__, 'CUDA', torch.version.cuda or 'none')"
 	@echo "== installing expertd (editable) with its server parts and test tools into $(VENV)"
 	$(BIN)/pip install -e '.[dev]'
 	@echo "== $(VENV) ready"
