@@ -86,6 +86,9 @@ MAX_DEPTH = 100  # nesting of sub-messages and groups; protobuf's own recursion 
 # Entries of one repeated number field of a message that holds a tensor's values (the
 # OIP's typed contents, see check_limits): a packed run protobuf reads in one pass.
 MAX_TENSOR_VALUES = 1 << 20
+# Bytes of one text field of a ForwardRequest (trace_id, instance_id, traceparent):
+# ids of a few dozen bytes, never megabytes a server would copy and decode per call.
+MAX_TEXT_BYTES = 4096
 _TERMINATORS = bytes(range(0x80))  # the last byte of every varint
 _MASK64 = (1 << 64) - 1
 
@@ -320,7 +323,9 @@ def _walk(buf: memoryview, descriptor, budget: _Budget, depth: int, values: froz
             budget.spend(1 if tensor and wire == 2 else n)
 
 
-def _text(value) -> str:
+def _text(value, name: str = "") -> str:
+    if name and len(value) > MAX_TEXT_BYTES:
+        raise MessageLimitError(f"field {name!r} is {len(value)} bytes (limit {MAX_TEXT_BYTES})")
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError:
@@ -341,13 +346,13 @@ def parse_forward_request(data: bytes) -> ForwardRequestView:
         elif number == 5 and wire == 0:
             req.request_id = value
         elif number == 6 and wire == 2:
-            req.trace_id = _text(value)
+            req.trace_id = _text(value, "trace_id")
         elif number == 7 and wire == 2:
-            req.instance_id = _text(value)
+            req.instance_id = _text(value, "instance_id")
         elif number == 8 and wire == 0:
             req.timeout_us = value
         elif number == 9 and wire == 2:
-            req.traceparent = _text(value)
+            req.traceparent = _text(value, "traceparent")
     return req
 
 
