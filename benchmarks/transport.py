@@ -363,7 +363,10 @@ def main() -> int:
     ms = [int(m) for m in args.ms.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
     with_nixl = nixl.available()
-    transports = (args.transports or ("grpc,shm,nixl" if with_nixl else "grpc,shm")).split(",")
+    default = "grpc,shm,nixl" if with_nixl else "grpc,shm"
+    if args.device == "cuda":
+        default += ",cuda-ipc"
+    transports = (args.transports or default).split(",")
     client_device = args.device
     common = [
         "--synthetic",

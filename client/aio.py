@@ -30,6 +30,7 @@ import torch
 from expertd import dataplane as dp
 from expertd import nixl as nixl_plane
 from expertd import tracing
+from expertd.client import cudaipc
 from expertd.client import nixl as nixl_client
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
 from expertd.client.core import (
@@ -41,6 +42,7 @@ from expertd.client.core import (
     stage_inputs,
     to_caller,
 )
+from expertd.client.cudaipc import CudaIpcChannel, CudaIpcSlot
 from expertd.client.devsum import DeviceSum
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
@@ -58,12 +60,14 @@ from expertd.v1 import expertd_pb2 as pb
 
 BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
 
-# transport= values: "auto" leases shared-memory slots from each replica on this host,
-# registers NIXL slots with the others when NIXL is installed, and uses gRPC for the
-# rest; "shm" asks for shared memory everywhere and "nixl" for NIXL everywhere (a replica
-# that cannot give it fails the call's attempt with UNAVAILABLE; without NIXL installed,
-# "nixl" warns once and uses gRPC); "grpc" (= "stream") and "unary" use no data plane.
-TRANSPORTS = ("auto", "shm", "nixl", "grpc", "stream", "unary")
+# transport= values: "auto" leases slots from each replica on this host (cuda-ipc slots
+# from a GPU shard when this process works on a GPU, else shared memory), registers NIXL
+# slots with the others when NIXL is installed, and uses gRPC for the rest; "cuda-ipc",
+# "shm" and "nixl" ask for that data plane everywhere (a replica that cannot give it fails
+# the call's attempt with UNAVAILABLE; without NIXL installed, "nixl" warns once and uses
+# gRPC); "grpc" (= "stream") and "unary" use no data plane.
+TRANSPORTS = ("auto", "cuda-ipc", "shm", "nixl", "grpc", "stream", "unary")
+FORCED_SLOTS = ("cuda-ipc", "shm")
 
 
 class Fallback(Exception):
@@ -96,7 +100,8 @@ class AsyncExpertClient:
         refresh_s: how often a live address is re-described;
         transport: "auto" (the default: shared-memory slots with each replica on this
         host, NIXL with the others when installed, docs/dataplane.md; else gRPC),
-        "shm" (shared memory forced), "nixl" (NIXL forced),
+        "cuda-ipc" (the shard's GPU memory mapped here forced), "shm" (shared memory
+        forced), "nixl" (NIXL forced),
         "grpc" or "stream" (calls multiplexed over one ForwardStream per replica, see
         client/stream.py) or "unary" (one Forward RPC per shard and call);
         attempt_share: the part of the time left an attempt gets when another live
@@ -115,12 +120,13 @@ class AsyncExpertClient:
         self.transport = transport
         self._rpc = "unary" if transport == "unary" else "stream"
         self._shm = transport in ("auto", "shm") and dp.available()
+        self._cuda_ipc = transport in ("auto", "cuda-ipc") and dp.available()
         self._nixl = transport in ("auto", "nixl")  # NIXL itself is loaded on first use
-        self._slots_on = self._shm or self._nixl
+        self._slots_on = self._shm or self._cuda_ipc or self._nixl
         self._nixl_agent: nixl_client.ClientAgent | None = None
         self._nixl_why = ""
-        if transport == "shm" and not dp.available():
-            raise ValueError("transport 'shm' needs Linux (memfd, futex, fd passing)")
+        if transport in FORCED_SLOTS and not dp.available():
+            raise ValueError(f"transport {transport!r} needs Linux (memfd, futex, fd passing)")
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one address")
         self.addresses = list(dict.fromkeys(addresses))
@@ -205,6 +211,23 @@ class AsyncExpertClient:
         ep.dataplane_for = instance
         offered = ep.info.dataplanes
         whys = []
+        if self._cuda_ipc:
+            ok, why = cudaipc.usable()
+            if dp.CUDA_IPC not in offered:
+                whys.append("the replica offers no cuda-ipc data plane")
+            elif not ok:
+                whys.append(f"cuda-ipc: {why}")
+            else:
+                device = torch.device("cuda", torch.cuda.current_device())
+                ch = CudaIpcChannel(ep.address, instance, device)
+                try:
+                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+                except (LeaseError, OSError) as e:
+                    ch.close()
+                    whys.append(str(e))
+                else:
+                    ep.dataplane, ep.dataplane_why = ch, ""
+                    return ch
         if self._shm:
             if dp.SHM in offered:
                 ch = ShmChannel(ep.address, instance)
@@ -252,7 +275,8 @@ class AsyncExpertClient:
         """A free slot of this replica, leasing more when all are busy; None: use gRPC."""
         ch = await self._dataplane(ep, timeout)
         if ch is None:
-            if self.transport == "shm" or (self.transport == "nixl" and not self._nixl_why):
+            forced = self.transport in FORCED_SLOTS
+            if forced or (self.transport == "nixl" and not self._nixl_why):
                 why = ep.dataplane_why or "no data plane slots"
                 raise StreamCallError(
                     grpc.StatusCode.UNAVAILABLE, f"{self.transport} transport: {why}"
@@ -273,11 +297,11 @@ class AsyncExpertClient:
         lease = slot.lease
         if lease.closed:
             raise lease.error()
-        m = inputs.x.shape[0]
+        m = inputs.m
         tokens = None if part.tokens.numel() == m else part.tokens.numpy()
         slot.start(
             layer,
-            bf16_bits(inputs.x),
+            inputs.on_device if isinstance(slot, CudaIpcSlot) else bf16_bits(inputs.x),
             tokens,
             part.topk_ids.numpy(),
             part.topk_weights.numpy(),
@@ -329,8 +353,8 @@ class AsyncExpertClient:
                 if slot is None:
                     raise Fallback
                 held.append((part, ep, slot))
-            x_bits = bf16_bits(inputs.x)
-            m = inputs.x.shape[0]
+            x_bits = None
+            m = inputs.m
             sent = time.perf_counter_ns()
             later = []
             for part, _ep, slot in held:
@@ -339,6 +363,12 @@ class AsyncExpertClient:
                     raise Fallback  # the loop's path words the deadline error
                 tokens = None if part.tokens.numel() == m else part.tokens.numpy()
                 ids, w = part.topk_ids.numpy(), part.topk_weights.numpy()
+                if isinstance(slot, CudaIpcSlot):  # gathered on the GPU; rung below too
+                    slot.start(layer, inputs.on_device, tokens, ids, w, remaining, False, False)
+                    later.append(slot)
+                    continue
+                if x_bits is None:
+                    x_bits = bf16_bits(inputs.x)
                 if isinstance(slot, ShmSlot):  # rung below, once every slot is written: a
                     slot.start(layer, x_bits, tokens, ids, w, remaining, False, ring=False)
                     later.append(slot)  # woken shard may take this CPU at once (2 cores)
@@ -369,7 +399,13 @@ class AsyncExpertClient:
                 self.telemetry.answered(time.perf_counter_ns() - sent, ep.last_timing)
                 pieces.append(Piece(part.shard, part.tokens, bits, ep.address, ep.last_timing))
             t1 = time.perf_counter_ns()
-            out = combine(inputs, topo.hidden_size, pieces)
+            if any(isinstance(p.output, torch.Tensor) for p in pieces):  # cuda-ipc answers
+                sums = DeviceSum(m, topo.hidden_size, inputs.device, m)
+                for piece in pieces:
+                    sums.stage(piece)
+                out = sums.finish(pieces)
+            else:
+                out = combine(inputs, topo.hidden_size, pieces)
             t2 = time.perf_counter_ns()
             self.telemetry.add("sum", t2 - t1)
             self.telemetry.add("call", t2 - t0)
@@ -512,7 +548,7 @@ class AsyncExpertClient:
             out = await self._execute(layer, inputs, deadline, md)
             self.telemetry.add("call", time.perf_counter_ns() - t0)
             return out
-        attrs = {"expertd.layer": layer, "expertd.tokens": inputs.x.shape[0]}
+        attrs = {"expertd.layer": layer, "expertd.tokens": inputs.m}
         span = tracing.start("expertd.client.call", attrs, parent)
         token = tracing.attach(span)
         error = None
@@ -542,7 +578,7 @@ class AsyncExpertClient:
         sums = None
         if inputs.device.type == "cuda":
             rows = sum(p.tokens.numel() for p in parts)
-            sums = DeviceSum(inputs.x.shape[0], topo.hidden_size, inputs.device, rows)
+            sums = DeviceSum(inputs.m, topo.hidden_size, inputs.device, rows)
 
         async def send(part: ShardPart) -> list[Piece]:
             pieces = await self._send(topo, layer, inputs, part, deadline, md, held=held)

@@ -22,18 +22,38 @@ from expertd.codec import ForwardRequestOut
 from expertd.v1 import expertd_pb2 as pb
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Inputs:
-    """One call's inputs, checked and on the host."""
+    """One call's inputs, checked; ids and weights on the host. x is on the host too,
+    except for a CUDA caller: there it stays on the GPU (`source`) until a transport
+    needs it on the host (gRPC, shm; cuda-ipc slots read `source`)."""
 
-    x: torch.Tensor  # bf16 [M, H]
+    _x: torch.Tensor | None  # bf16 [M, H] on the host, once there
     ids: torch.Tensor  # int32 [M, K]
     weights: torch.Tensor  # float32 [M, K]
     device: torch.device  # where the caller wants the result
+    source: torch.Tensor | None = None  # a CUDA caller's bf16 [M, H], contiguous, complete
 
     @property
     def pinned(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def m(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def x(self) -> torch.Tensor:
+        """bf16 [M, H] on the host (copied from `source` on first use)."""
+        if self._x is None:
+            self._x = _to_host(self.source, torch.bfloat16)
+            torch.cuda.current_stream(self.source.device).synchronize()
+        return self._x
+
+    @property
+    def on_device(self) -> torch.Tensor:
+        """x where it is: the caller's GPU tensor, else the host one."""
+        return self.source if self.source is not None else self.x
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,10 +86,15 @@ def stage_inputs(
         )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise ValueError(f"topk_ids: dtype {topk_ids.dtype}, expected an integer dtype")
-    x = _to_host(hidden_states, torch.bfloat16)
+    device = hidden_states.device
+    source = None
+    if device.type == "cuda":
+        x = None
+        source = hidden_states.detach().to(torch.bfloat16).contiguous()
+    else:
+        x = _to_host(hidden_states, torch.bfloat16)
     ids = _to_host(topk_ids, torch.int32)
     weights = _to_host(topk_weights, torch.float32)
-    device = hidden_states.device
     if device.type == "cuda" or topk_ids.is_cuda or topk_weights.is_cuda:
         for t in (hidden_states, topk_ids, topk_weights):
             if t.device.type == "cuda":
@@ -79,7 +104,7 @@ def stage_inputs(
         a = ids.numpy()  # numpy's reductions cost a fraction of torch's on a few ids
         if a.min() < -1 or a.max() >= topology.num_experts:
             raise ValueError(f"topk_ids: values must be in [-1, {topology.num_experts})")
-    return Inputs(x, ids, weights, device)
+    return Inputs(x, ids, weights, device, source)
 
 
 # The client's per-call tensor work (each shard's rows, the sum of the answers) runs in numpy
@@ -115,7 +140,7 @@ def forward_request(layer: int, inputs: Inputs, part: ShardPart) -> ForwardReque
     """This shard's request; its tensors reach the wire in one copy (expertd/codec.py):
     its rows are gathered (numpy: torch's indexing opens an OpenMP region) straight
     into the request's bytes."""
-    if part.tokens.numel() == inputs.x.shape[0]:  # distinct rows, all of them: in order
+    if part.tokens.numel() == inputs.m:  # distinct rows, all of them: in order
         return ForwardRequestOut(layer, inputs.x, part.topk_ids, part.topk_weights)
     rows = part.tokens.numpy()
     return ForwardRequestOut(layer, inputs.x, part.topk_ids, part.topk_weights, rows=rows)
@@ -138,6 +163,8 @@ def _answer_bits(piece: Piece, hidden_size: int) -> np.ndarray:
     """A piece's output as bf16 bits [Ms, H], viewed over the message's bytes."""
     msg = piece.output
     rows = piece.tokens.numel()
+    if isinstance(msg, torch.Tensor):  # a cuda-ipc slot's output region, on a GPU
+        msg = msg.cpu().view(torch.int16).numpy().view(np.uint16)
     if isinstance(msg, np.ndarray):  # a slot's output region: written by the shard as asked
         if msg.shape != (rows, hidden_size) or msg.dtype != np.uint16:
             raise ValueError(
@@ -174,7 +201,7 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
     (NaN aside: as torch's conversion writes it), computed in numpy without index_add_'s
     gathers: within a block of output rows, rows are ordered by how many answers hold them,
     so each row's j-th addend (in shard order) lies in one dense slice for every j."""
-    m, h = inputs.x.shape[0], hidden_size
+    m, h = inputs.m, hidden_size
     answers = []  # (rows, bits) in shard order; the sort is stable: same order every time
     for piece in sorted(pieces, key=lambda p: p.shard):
         bits = _answer_bits(piece, h)

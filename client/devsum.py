@@ -111,7 +111,11 @@ class DeviceSum:
 
     def stage(self, piece: Piece) -> None:
         """Copy `piece`'s answer into pinned memory (one memcpy, numpy) and start its
-        copy to the device; its tokens go along unless it holds every row."""
+        copy to the device; its tokens go along unless it holds every row. An answer
+        already on a GPU (a cuda-ipc slot's output region) is read where it is."""
+        if isinstance(piece.output, torch.Tensor) and piece.output.is_cuda and self.pin:
+            self._stage_device(piece)
+            return
         bits = _answer_bits(piece, self.h)  # uint16 [rows, h]; raises naming what is wrong
         rows = bits.shape[0]
         if rows == 0:
@@ -132,6 +136,21 @@ class DeviceSum:
             if host_tokens is not None:
                 dev_tokens = host_tokens.to(self.device, non_blocking=self.pin)
         self._staged[id(piece)] = (dev_tokens, dev_bits)
+
+    def _stage_device(self, piece: Piece) -> None:
+        out = piece.output
+        rows = piece.tokens.numel()
+        if tuple(out.shape) != (rows, self.h) or out.dtype != torch.bfloat16:
+            raise ValueError(
+                f"slot answer of shape {list(out.shape)} {out.dtype}, expected "
+                f"[{rows}, {self.h}] bfloat16"
+            )
+        if rows == 0:
+            return
+        with self._on_stream():
+            bits = out if out.device == self.device else out.to(self.device, non_blocking=True)
+            tokens = None if rows == self.m else piece.tokens.to(self.device)
+        self._staged[id(piece)] = (tokens, bits)
 
     def finish(self, pieces: list[Piece]) -> torch.Tensor:
         """Sum the staged answers of `pieces` in shard order -> bf16 [m, h] on the device."""

@@ -182,19 +182,25 @@ class Slot:
             if time.monotonic() >= deadline:
                 return False
 
-    def result(self) -> np.ndarray:
-        """The answer: bf16 bits uint16 [rows, H] viewing the output region; raises
-        StreamCallError with the shard's status when the call failed."""
+    def checked_rows(self) -> int:
+        """The answered call's rows; raises StreamCallError with the shard's status when
+        the call failed."""
         ctl = self.ctl
         if ctl.status:
             n = min(ctl.error_len, dp.ERROR_BYTES)
             text = bytes(self.mm[dp.ERROR_OFFSET : dp.ERROR_OFFSET + n]).decode("utf-8", "replace")
             raise StreamCallError(_CODES.get(ctl.status, grpc.StatusCode.UNKNOWN), text)
-        rows, h = self.rows, self.layout.hidden
-        if ctl.out_rows != rows:
+        if ctl.out_rows != self.rows:
             raise StreamCallError(
-                grpc.StatusCode.INTERNAL, f"shard answered {ctl.out_rows} rows, expected {rows}"
+                grpc.StatusCode.INTERNAL,
+                f"shard answered {ctl.out_rows} rows, expected {self.rows}",
             )
+        return self.rows
+
+    def result(self) -> np.ndarray:
+        """The answer: bf16 bits uint16 [rows, H] viewing the output region; raises
+        StreamCallError with the shard's status when the call failed."""
+        rows, h = self.checked_rows(), self.layout.hidden
         return self.out[: rows * h].reshape(rows, h)
 
     def timing(self) -> dict:
@@ -350,6 +356,7 @@ class ShmChannel(SlotPool):
     """Every slot this client holds with one replica; thread-safe hand-out."""
 
     name = dp.SHM
+    device = None  # cuda-ipc (client/cudaipc.py): the GPU this client works on
 
     def __init__(self, address: str, instance_id: str) -> None:
         self.address = address
@@ -363,7 +370,7 @@ class ShmChannel(SlotPool):
 
         try:
             reply = await stub.RegisterSlots(
-                pb.RegisterSlotsRequest(transport=dp.SHM, slots=slots),
+                pb.RegisterSlotsRequest(transport=self.name, slots=slots),
                 timeout=timeout,
                 metadata=metadata,
             )
@@ -371,7 +378,9 @@ class ShmChannel(SlotPool):
             raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
         if reply.instance_id != self.instance_id:
             raise LeaseError("the replica restarted while registering")
-        lease = await asyncio.get_running_loop().run_in_executor(None, _claim, reply, timeout)
+        lease = await asyncio.get_running_loop().run_in_executor(
+            None, _claim, reply, timeout, self.device
+        )
         lease.watch(asyncio.get_running_loop())
         for slot in lease.slots:
             slot.channel = self
@@ -386,10 +395,12 @@ class ShmChannel(SlotPool):
             lease.close()
 
 
-def _claim(reply, timeout: float) -> Lease:
-    """The socket side of registering (blocking, off the event loop)."""
+def _claim(reply, timeout: float, device=None) -> Lease:
+    """The socket side of registering (blocking, off the event loop). `device`: a
+    cuda-ipc lease, whose slots' x and out regions are the shard's GPU memory, mapped
+    here for work on `device`."""
     try:
-        layout = dp.Layout.from_proto(reply.layout)
+        layout = dp.Layout.from_proto(reply.layout, device=device is not None)
     except ValueError as e:
         raise LeaseError(str(e)) from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -408,16 +419,21 @@ def _claim(reply, timeout: float) -> Lease:
             if msg[:1] != dp.FDS or len(fds) != reply.slots:
                 raise LeaseError("malformed answer on the lease socket")
             lease = Lease(sock, msg[1:].decode(), reply.instance_id)
-            for i, fd in enumerate(fds):
+            for fd in fds:
                 if not dp.is_sealed(fd) or os.fstat(fd).st_size < layout.byte_size:
                     raise LeaseError("slot memory is not sealed at its size")
-                lease.slots.append(Slot(lease, i, fd, layout))
+            if device is None:
+                lease.slots.extend(Slot(lease, i, fd, layout) for i, fd in enumerate(fds))
+            else:
+                _map_device_slots(sock, lease, fds, layout, device)
         finally:
             for fd in fds:
                 os.close(fd)
         nonces = [secrets.randbits(63) | 1 for _ in lease.slots]
         for slot, nonce in zip(lease.slots, nonces, strict=True):
             slot.ctl.nonce = nonce
+            if device is not None:
+                slot.write_proof(nonce)
         sock.send(dp.PROOF + b"".join(struct.pack("<Q", n) for n in nonces))
         answer = sock.recv(256)
         if answer[:1] != dp.READY:
@@ -433,3 +449,24 @@ def _claim(reply, timeout: float) -> Lease:
     finally:
         if lease is not None and not lease.closed:
             sock.settimeout(None)
+
+
+def _map_device_slots(sock: socket.socket, lease: Lease, fds, layout: dp.Layout, device) -> None:
+    """cuda-ipc: read the slots' CUDA IPC handles (the message after FDS) and map each
+    slot's host and device memory (LeaseError when this process cannot)."""
+    from expertd import cudamem
+    from expertd.client.cudaipc import CudaIpcSlot
+
+    msg = sock.recv(16 + cudamem.HANDLE_BYTES * len(fds))
+    if msg[:1] == dp.REFUSED:
+        raise LeaseError(f"shard refused the lease: {msg[1:].decode(errors='replace')}")
+    handles = msg[1:]
+    if msg[:1] != dp.HANDLES or len(handles) != cudamem.HANDLE_BYTES * len(fds):
+        raise LeaseError("malformed CUDA IPC handles on the lease socket")
+    for i, fd in enumerate(fds):
+        handle = handles[i * cudamem.HANDLE_BYTES : (i + 1) * cudamem.HANDLE_BYTES]
+        try:
+            mem = cudamem.ImportedBuffer(handle, layout.device_bytes, device)
+        except cudamem.CudaIpcError as e:  # another host's GPU, no IPC in this container...
+            raise LeaseError(f"cannot map the shard's GPU memory here: {e}") from None
+        lease.slots.append(CudaIpcSlot(lease, i, fd, layout, mem))

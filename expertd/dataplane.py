@@ -43,6 +43,7 @@ HELLO = b"H"  # client -> shard: HELLO + token
 FDS = b"F"  # shard -> client: FDS + lease id, with the slots' fds attached
 PROOF = b"P"  # client -> shard: PROOF + 8-byte nonces, one per slot (written in the slots)
 READY = b"R"  # shard -> client: the lease is live
+HANDLES = b"C"  # shard -> client (cuda-ipc): HANDLES + one CUDA IPC handle per slot, after FDS
 REFUSED = b"X"  # shard -> client: REFUSED + why (then the socket closes)
 DONE = b"D"  # shard -> client: DONE + slot index (u32), sent when the call asked (notify)
 
@@ -98,11 +99,21 @@ def _round(n: int, to: int = PAGE) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Byte offsets of one slot's regions (the same formula on both ends)."""
+    """Byte offsets of one slot's regions (the same formula on both ends).
+
+    `device` (cuda-ipc): x and out live in a separate device buffer (x at 0, out at
+    `device_out_offset`, `device_bytes` in all); the host slot keeps the control
+    block, ids and weights, and its x and out regions are empty."""
 
     max_tokens: int  # Mmax
     top_k: int  # K
     hidden: int  # H
+    device: bool = False
+
+    @property
+    def _rows_bytes(self) -> int:
+        """One [Mmax, H] bf16 region, rounded to pages."""
+        return _round(2 * self.max_tokens * self.hidden)
 
     @property
     def x_offset(self) -> int:
@@ -110,7 +121,7 @@ class Layout:
 
     @property
     def ids_offset(self) -> int:
-        return self.x_offset + _round(2 * self.max_tokens * self.hidden)
+        return self.x_offset + (0 if self.device else self._rows_bytes)
 
     @property
     def weights_offset(self) -> int:
@@ -122,7 +133,17 @@ class Layout:
 
     @property
     def byte_size(self) -> int:
-        return self.out_offset + _round(2 * self.max_tokens * self.hidden)
+        return self.out_offset + (0 if self.device else self._rows_bytes)
+
+    @property
+    def device_out_offset(self) -> int:
+        """cuda-ipc: where out starts in the device buffer (x starts at 0)."""
+        return self._rows_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """cuda-ipc: the device buffer's size (0 for host slots)."""
+        return 2 * self._rows_bytes if self.device else 0
 
     @property
     def input_bytes(self) -> int:
@@ -144,9 +165,9 @@ class Layout:
         )
 
     @classmethod
-    def from_proto(cls, msg) -> Layout:
+    def from_proto(cls, msg, device: bool = False) -> Layout:
         """The layout the server described; ValueError when its offsets are not ours."""
-        layout = cls(msg.max_tokens, msg.top_k, msg.hidden_size)
+        layout = cls(msg.max_tokens, msg.top_k, msg.hidden_size, device)
         if (
             msg.x_offset,
             msg.ids_offset,

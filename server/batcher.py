@@ -189,7 +189,9 @@ class Batcher:
                 tokens + job.tokens <= self.policy.max_batch_tokens
                 and len(batch) < self.policy.max_batch_requests
             )
-            if job.args.layer == layer and (not batch or fits):
+            # a batch is all host tensors or all device ones (cuda-ipc slots' x)
+            same = not batch or job.args.x.is_cuda == batch[0].args.x.is_cuda
+            if job.args.layer == layer and (not batch or (fits and same)):
                 batch.append(job)
                 tokens += job.tokens
             else:
@@ -307,8 +309,15 @@ class Batcher:
 
     def _start(self, jobs: list[Job]) -> Flight:
         args = [j.args for j in jobs]
+        outs = None
+        if args[0].x.is_cuda:  # cuda-ipc slots: x read from, out written to device memory
+            outs = [j.sink.device_out(j.tokens) for j in jobs]
         return self.runner.launch(
-            args[0].layer, [a.x for a in args], [a.ids for a in args], [a.weights for a in args]
+            args[0].layer,
+            [a.x for a in args],
+            [a.ids for a in args],
+            [a.weights for a in args],
+            outs,
         )
 
     def _finish(self, jobs: list[Job], flight: Flight, started: int):
@@ -324,7 +333,12 @@ class Batcher:
             for job in jobs:
                 rows = job.tokens
                 if rows and result.bad_rows[row : row + rows].any():
-                    error, cause = _not_finite(job.args, result.out_bytes[row : row + rows])
+                    if job.args.x.is_cuda:  # the rows are in the slot's device memory
+                        dev = job.sink.device_out(rows).cpu()
+                        out_bits = dev.view(torch.int16).numpy().view(np.uint16)
+                    else:
+                        out_bits = result.out_bytes[row : row + rows]
+                    error, cause = _not_finite(job.args, out_bits)
                     self.metrics.nonfinite.labels(cause).inc()
                     results.append(error)
                     done.append(0)

@@ -175,6 +175,8 @@ class GraphBank:
         ]
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        # fused buckets' graphs without the host copies (device inputs: cuda-ipc slots)
+        self._plain: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._keep: list[torch.Tensor] = []  # workspaces baked into graphs stay alive
 
     def buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +229,11 @@ class GraphBank:
                         if self.fused(m):
                             host_out[:n_out].copy_(self._out[slot][:n_out], non_blocking=True)
                     self._graphs[(layer, m, slot)] = graph
+                    if self.fused(m):  # and one without the host copies, for device inputs
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                            forward_checked(*args)
+                        self._plain[(layer, m, slot)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def bucket(self, layer: int, m: int, top_k: int) -> int | None:
@@ -236,7 +243,10 @@ class GraphBank:
         bucket = next(b for b in self.buckets if b >= m)
         return bucket if (layer, bucket, 0) in self._graphs else None
 
-    def replay(self, layer: int, bucket: int, slot: int) -> None:
+    def replay(self, layer: int, bucket: int, slot: int, plain: bool = False) -> None:
         """Replay on the current stream: reads the slot's input buffer in
-        `layouts[bucket]`, writes its output buffer."""
-        self._graphs[(layer, bucket, slot)].replay()
+        `layouts[bucket]`, writes its output buffer. `plain`: without the host copies
+        of a fused bucket (the caller moves the data)."""
+        key = (layer, bucket, slot)
+        graph = self._plain.get(key) if plain else None
+        (graph or self._graphs[key]).replay()

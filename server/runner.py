@@ -226,8 +226,13 @@ class BatchRunner:
             flight.release()
         return result.out, result.bad
 
-    def launch(self, layer: int, xs, ids, ws) -> Flight:
+    def launch(self, layer: int, xs, ids, ws, outs=None) -> Flight:
         """Start one merged batch (requests' host tensors, in order) in a free slot.
+
+        `outs` (CUDA only; cuda-ipc slots): the requests' x are device tensors and
+        outs[i] (bf16 [rows_i, H] on a device) takes request i's output rows; the
+        result then carries only the NaN/Inf flags, on the host. ids and weights are
+        host tensors either way.
 
         Refuses (RuntimeError) when all `depth` slots hold unreleased batches."""
         start = time.perf_counter_ns()
@@ -243,9 +248,9 @@ class BatchRunner:
             layout = (
                 self.graphs.layouts[bucket] if bucket is not None else Layout(m, k, self.hidden)
             )
-            fused = bucket is not None and self.graphs.fused(bucket)
+            fused = bucket is not None and self.graphs.fused(bucket) and outs is None
             staging = slot.graph_host if fused else slot.host
-            staging.pack(layout, xs, ids, ws)
+            staging.pack(layout, xs, ids, ws, with_x=outs is None)
             flight = Flight(self, slot, layout, m, time.perf_counter_ns() - start, staging)
             if m == 0:
                 flight._result = Result(
@@ -253,7 +258,10 @@ class BatchRunner:
                 )
             else:
                 queued = True
-                self._enqueue(slot, layer, state, layout, bucket, m, fused)
+                if outs is not None:
+                    self._enqueue_device(slot, layer, state, layout, bucket, m, xs, outs)
+                else:
+                    self._enqueue(slot, layer, state, layout, bucket, m, fused)
             return flight
         except BaseException:
             if queued:  # part of this batch may be queued on the streams: let it end first
@@ -312,6 +320,58 @@ class BatchRunner:
         with torch.cuda.stream(self._download):
             self._download.wait_event(slot.computed)
             slot.host.output[:n_out].copy_(dev_out[:n_out], non_blocking=True)
+            slot.downloaded.record()
+
+    def _enqueue_device(
+        self,
+        slot: _Slot,
+        layer: int,
+        state,
+        layout: Layout,
+        bucket: int | None,
+        m: int,
+        xs,
+        outs,
+    ) -> None:
+        """`_enqueue` for device inputs and outputs (cuda-ipc slots): the routes go up
+        from the host buffer, each request's x is copied device to device into the
+        packed input, the graph of the bucket (the one without host copies) or the
+        eager forward runs, then each request's rows are copied device to device into
+        its output and only the NaN/Inf flags come down to the host."""
+        if bucket is not None:
+            dev_in, dev_out = self.graphs.buffers(slot.index)
+        else:
+            dev_in, dev_out = slot.eager_buffers(layout, self.device)
+        x_dev, _, _ = layout.inputs(dev_in)
+        out_dev, _ = layout.outputs(dev_out)
+        with torch.cuda.stream(self._upload):
+            dev_in[: layout.x_offset].copy_(slot.host.input[: layout.x_offset], non_blocking=True)
+            row = 0
+            for x in xs:
+                rows = x.shape[0]
+                if rows:
+                    x_dev[row : row + rows].copy_(x, non_blocking=True)
+                    row += rows
+            slot.uploaded.record()
+        with torch.cuda.stream(self._compute):
+            self._compute.wait_event(slot.uploaded)
+            if bucket is not None:
+                self.graphs.replay(layer, bucket, slot.index, plain=True)
+            else:
+                x, i, w = layout.inputs(dev_in)
+                out, bad = layout.outputs(dev_out)
+                forward_checked(self.bank.backend, state, x, i, w, out, bad)
+            slot.computed.record()
+        with torch.cuda.stream(self._download):
+            self._download.wait_event(slot.computed)
+            flags = layout.out_offset
+            slot.host.output[:flags].copy_(dev_out[:flags], non_blocking=True)
+            row = 0
+            for x, out in zip(xs, outs, strict=True):
+                rows = x.shape[0]
+                if rows:
+                    out.copy_(out_dev[row : row + rows], non_blocking=True)
+                    row += rows
             slot.downloaded.record()
 
     def _collect(self, flight: Flight) -> Result:

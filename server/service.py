@@ -233,7 +233,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def dataplanes(self) -> list[str]:
         """The data planes this server offers besides gRPC."""
-        offered = [dp.SHM] if self.slots is not None else []
+        offered = self.slots.offered() if self.slots is not None else []
         return offered + ([nixl.NIXL] if self.remote is not None else [])
 
     def count_slot(self, code: grpc.StatusCode) -> None:

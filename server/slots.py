@@ -40,6 +40,7 @@ import grpc
 import numpy as np
 import torch
 
+from expertd import cudamem
 from expertd import dataplane as dp
 from expertd.server.batcher import Job
 from expertd.server.validate import RequestError, check_forward, invalid
@@ -65,9 +66,10 @@ class _Pending:
 
 
 class Slot:
-    """One slot's memory, as this process maps it, and its waiter."""
+    """One slot's memory, as this process maps it, and its waiter. A cuda-ipc slot
+    (layout.device) also owns a device buffer on `device` holding x and out."""
 
-    def __init__(self, lease: Lease, index: int, fd: int, layout: dp.Layout) -> None:
+    def __init__(self, lease: Lease, index: int, fd: int, layout: dp.Layout, device=None) -> None:
         self.lease = lease
         self.index = index
         self.layout = layout
@@ -87,9 +89,18 @@ class Slot:
         # client cannot change an id once it was checked; x stays a view of the slot.
         mmax, k, h = layout.max_tokens, layout.top_k, layout.hidden
         buf = np.frombuffer(self.mm, np.uint8)
-        self._x = torch.from_numpy(
-            buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.int16)
-        ).view(torch.bfloat16)
+        self.dev: cudamem.DeviceBuffer | None = None
+        self._out_dev: torch.Tensor | None = None
+        if layout.device:
+            self.dev = cudamem.DeviceBuffer(layout.device_bytes, device)
+            mem = self.dev.tensor
+            self._x = mem[: 2 * mmax * h].view(torch.bfloat16)
+            off = layout.device_out_offset
+            self._out_dev = mem[off : off + 2 * mmax * h].view(torch.bfloat16)
+        else:
+            self._x = torch.from_numpy(
+                buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.int16)
+            ).view(torch.bfloat16)
         self._ids_in = buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)
         self._w_in = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(
             np.float32
@@ -105,7 +116,7 @@ class Slot:
         """The call's x (a view of the slot) and copies of its ids and weights."""
         if m == 0:
             return (
-                torch.empty((0, hidden), dtype=torch.bfloat16),
+                torch.empty((0, hidden), dtype=torch.bfloat16, device=self._x.device),
                 torch.empty((0, max(k, 1)), dtype=torch.int32),
                 torch.empty((0, max(k, 1)), dtype=torch.float32),
             )
@@ -115,15 +126,27 @@ class Slot:
         x = self._x[: m * hidden].view(m, hidden)
         return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
 
+    def device_out(self, m: int) -> torch.Tensor | None:
+        """cuda-ipc: the output region's first m rows (bf16 [m, H] on the device), where
+        the runner copies the call's rows; None for a host slot."""
+        if self._out_dev is None:
+            return None
+        return self._out_dev[: m * self.layout.hidden].view(m, self.layout.hidden)
+
+    def device_proof(self) -> int:
+        """cuda-ipc: the u64 at the start of the output region (the client's nonce)."""
+        return int(self._out_dev[:4].view(torch.int64).item())
+
     # -- answering ---------------------------------------------------------------------
 
     def write_output(self, rows, timing: dict) -> None:
-        """The partial (uint8 [m, 2H] bf16 bits), then OK, then ring (any thread)."""
+        """The partial (uint8 [m, 2H] bf16 bits; a cuda-ipc slot has it in its device
+        region already), then OK, then ring (any thread)."""
         with self.lock:
             if self.mm is None or not self.busy:
                 return
             n = rows.shape[0]
-            if n:
+            if n and self._out_dev is None:
                 self._out[: rows.size] = rows.reshape(-1)
             ctl = self.ctl
             for name, value in timing.items():
@@ -170,8 +193,14 @@ class Slot:
         # The tensors of a call view the mmap object (torch keeps it alive): the mapping
         # goes with the last of them; ctl's export must go first.
         self.ctl = None
-        self._x = self._ids_in = self._w_in = self._out = None
+        self._x = self._ids_in = self._w_in = self._out = self._out_dev = None
         self.mm = None
+        if self.dev is not None:  # answered: no queued copy reads or writes it any more
+            dev, self.dev = self.dev, None
+            try:
+                dev.free()
+            except cudamem.CudaIpcError as e:
+                log.warning("slot device memory not freed: %s", e)
 
 
 class Lease:
@@ -224,10 +253,22 @@ class SlotRegistry:
 
     # -- registration (on the event loop) -----------------------------------------------
 
+    def offered(self) -> list[str]:
+        """The slot transports this server offers: shm, and cuda-ipc when its experts
+        are on a GPU whose memory this process can export."""
+        bank = self.servicer.bank
+        if bank is not None and bank.backend.device.type == "cuda" and cudamem.available()[0]:
+            return [dp.SHM, dp.CUDA_IPC]
+        return [dp.SHM]
+
     def book(self, transport: str, slots: int, max_tokens: int, top_k: int, hidden: int):
         """A pending lease -> (token, lease id, layout). RequestError on a bad ask."""
-        if transport != dp.SHM:
-            raise invalid(f"transport {transport!r} is not offered here (offered: shm)")
+        transport = transport or dp.SHM
+        offered = self.offered()
+        if transport not in offered:
+            raise invalid(
+                f"transport {transport!r} is not offered here (offered: {', '.join(offered)})"
+            )
         limits = self.servicer.limits
         slots = slots or 1
         if not 1 <= slots <= MAX_SLOTS_PER_LEASE:
@@ -242,7 +283,7 @@ class SlotRegistry:
             raise invalid(f"top_k {top_k} outside [1, {limits.max_top_k}]")
         token = secrets.token_bytes(24)
         lease_id = secrets.token_hex(8)
-        layout = dp.Layout(max_tokens, top_k, hidden)
+        layout = dp.Layout(max_tokens, top_k, hidden, transport == dp.CUDA_IPC)
         now = time.monotonic()
         with self._lock:
             for key in [k for k, p in self._pending.items() if now - p.created > PENDING_TTL_S]:
@@ -298,6 +339,7 @@ class SlotRegistry:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", creds)[0]
         lease = Lease(self, pending.lease_id, conn, pid)
+        lease.transport = pending.transport
         try:
             self._share_slots(conn, lease, pending)
         except BaseException:  # a refused or broken registration keeps no mapping
@@ -307,17 +349,28 @@ class SlotRegistry:
 
     def _share_slots(self, conn: socket.socket, lease: Lease, pending) -> None:
         fds = []
+        device = None
+        if pending.layout.device:
+            bank = self.servicer.bank
+            if bank is None:
+                raise ValueError("server is not serving")
+            device = bank.backend.device
         try:
             for i in range(pending.slots):
                 fd = dp.sealed_memfd(
                     f"expertd-slot-{pending.lease_id}-{i}", pending.layout.byte_size
                 )
                 fds.append(fd)
-                lease.slots.append(Slot(lease, i, fd, pending.layout))
+                try:
+                    lease.slots.append(Slot(lease, i, fd, pending.layout, device))
+                except cudamem.CudaIpcError as e:  # out of device memory, most likely
+                    raise ValueError(f"no device memory for the slots: {e}") from None
             socket.send_fds(conn, [dp.FDS + pending.lease_id.encode()], fds)
         finally:
             for fd in fds:  # the mappings keep the memory; the client has its own fds
                 os.close(fd)
+        if device is not None:
+            conn.send(dp.HANDLES + b"".join(slot.dev.handle() for slot in lease.slots))
         proof = conn.recv(16 + 8 * pending.slots)
         nonces = proof[1:]
         if not proof.startswith(dp.PROOF) or len(nonces) != 8 * pending.slots:
@@ -328,6 +381,8 @@ class SlotRegistry:
                 raise ValueError("the lease ended during registration")
             if nonce == 0 or ctl.nonce != nonce:
                 raise ValueError("mapping proof failed: the slot memory is not shared")
+            if slot.dev is not None and slot.device_proof() != nonce & 0x7FFFFFFFFFFFFFFF:
+                raise ValueError("mapping proof failed: the slot's device memory is not shared")
         with self._lock:
             if self._closed:
                 raise ValueError("server is stopping")

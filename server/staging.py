@@ -111,9 +111,10 @@ class HostStaging:
             self._views[layout] = views
         return views
 
-    def pack(self, layout: Layout, xs, ids, ws) -> int:
+    def pack(self, layout: Layout, xs, ids, ws, with_x: bool = True) -> int:
         """Gather requests (x bf16 [R, H], ids int32/int64 [R, k], weights fp32/bf16
-        [R, k], k <= layout.top_k) into `input` in `layout`; -> tokens M.
+        [R, k], k <= layout.top_k) into `input` in `layout`; -> tokens M. Without
+        `with_x` only the routes are gathered (x is on the device: cuda-ipc slots).
 
         Routes past a request's k, and rows from M to the layout's end, are "no
         route" (-1, 0) afterwards; x of rows past M is left as it was."""
@@ -131,7 +132,8 @@ class HostStaging:
                     f"batch does not fit layout: {end} rows x top_k {k} into "
                     f"{layout.rows} x {width}"
                 )
-            x_np[row:end] = _as_bytes(x)
+            if with_x:
+                x_np[row:end] = _as_bytes(x)
             ids_np[row:end, :k] = i.numpy()  # int64 ids are in [-1, E): the cast is exact
             w_np[row:end, :k] = _as_float32(w)
             if k < width:

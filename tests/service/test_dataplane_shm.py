@@ -329,3 +329,48 @@ def test_futex_word_address_is_in_the_mapping():
     del ctl
     mm.close()
     os.close(fd)
+
+
+def test_cuda_ipc_layout_keeps_tensors_off_the_host_slot():
+    host, dev = dp.Layout(256, 8, 512), dp.Layout(256, 8, 512, device=True)
+    assert dev.ids_offset == dev.x_offset == dp.CONTROL_BYTES  # no x region on the host
+    assert dev.byte_size == dev.out_offset  # nor an out region
+    assert dev.byte_size == host.byte_size - 2 * 256 * 512 * 2
+    assert dev.device_out_offset >= 2 * 256 * 512 and dev.device_bytes >= 4 * 256 * 512
+    assert host.device_bytes == 0
+    assert dp.Layout.from_proto(dev.to_proto(pb), device=True) == dev
+    with pytest.raises(ValueError, match="layout differs"):
+        dp.Layout.from_proto(dev.to_proto(pb))  # read as a host slot: refused, not misread
+
+
+def test_cuda_ipc_is_refused_by_a_cpu_shard_with_reasons(bank_all):
+    with BackgroundServer(shard_config(0, **ALL), bank=bank_all) as server:
+
+        async def register():
+            async with grpc.aio.insecure_channel(server.address) as ch:
+                stub = ExpertStub(ch)
+                info = await stub.Describe(pb.DescribeRequest(), timeout=10)
+                try:
+                    await stub.RegisterSlots(
+                        pb.RegisterSlotsRequest(transport=dp.CUDA_IPC), timeout=10
+                    )
+                except grpc.RpcError as e:
+                    return info, e
+            raise AssertionError("a CPU shard leased cuda-ipc slots")
+
+        info, refused = asyncio.run(register())
+        assert dp.CUDA_IPC not in info.dataplanes
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'cuda-ipc' is not offered here (offered: shm)" in refused.details()
+        gen = torch.Generator().manual_seed(8)
+        x = hidden(2, gen)
+        ids, w = routing(2, gen)
+        with ExpertClient([server.address], transport="cuda-ipc") as forced:
+            with pytest.raises(ShardCallError) as info:
+                forced.forward(0, x, ids, w)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "cuda-ipc" in str(info.value) and "offers no cuda-ipc" in str(info.value)
+        with ExpertClient([server.address]) as auto:  # auto: shm, saying why not cuda-ipc
+            assert auto.forward(0, x, ids, w).shape == (2, 512)
+            (stats,) = auto.stats().values()
+            assert stats["transport"] == "shm"

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with an NVIDIA GPU (sm_90a) and this tree: build (or
+# load) the kernel, run the CUDA tests, run the transport benchmark; JSON and PNG
+# under $OUT, the benchmark's table printed last.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh [TESTS...]
+#
+# TESTS: pytest node ids or paths (default: tests/gpu). Environment:
+#   OUT           where results go (default ./gpu-check)
+#   BENCH_MS      transport benchmark token counts (default 1,64,256,1024,4096; "" skips it)
+#   BENCH_SHARDS  shard processes per run (default 1,8)
+#   BENCH_REPS    calls per point (default 100)
+#   BENCH_TRANSPORTS  (default grpc,shm,cuda-ipc)
+#   EXPERTD_KERNEL_LIB  a prebuilt libexpertd_kernels.so (skips the build)
+# Wheels the machine lacks (grpcio-health-checking, grpcio-reflection) may travel in
+# .whl/ beside the tree: they are installed into /tmp/site first.
+set -uo pipefail
+OUT=${OUT:-gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+if [ -z "${EXPERTD_KERNEL_LIB:-}" ] && [ -f .carry/libexpertd_kernels.so ]; then
+  export EXPERTD_KERNEL_LIB=$PWD/.carry/libexpertd_kernels.so
+fi
+[ -n "${EXPERTD_KERNEL_LIB:-}" ] || $PY -m expertd build-kernels || exit 1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+
+echo "== CUDA tests"
+$PY -m pytest -q -p no:cacheprovider -o addopts="" -m cuda --timeout 300 \
+  "${@:-tests/gpu}" 2>&1 | tee "$OUT/tests.log" | grep -v "^I[0-9]" | tail -40
+tests_rc=${PIPESTATUS[0]}
+
+rc=0
+if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
+  echo "== transport benchmark"
+  $PY benchmarks/transport.py --out "$OUT" --device cuda \
+    --ms "${BENCH_MS-1,64,256,1024,4096}" --shards "${BENCH_SHARDS:-1,8}" \
+    --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,shm,cuda-ipc}" \
+    --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')" \
+    2>&1 | tee "$OUT/transport.log" | grep -v "^I[0-9]\|^{" 
+  rc=${PIPESTATUS[0]}
+fi
+echo "== tests rc=$tests_rc benchmark rc=$rc"
+exit $((tests_rc || rc))

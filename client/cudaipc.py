@@ -1,0 +1,148 @@
+"""The client's side of the `cuda-ipc` same-host data plane: slots whose x and out
+regions are the shard's GPU memory, mapped into this process (expertd/cudamem.py).
+
+Leasing, the control block, the doorbell, deadlines and the lease's end are the
+`shm` slots' (client/shm.py): only where the rows live differs. A call gathers the
+routed rows of the caller's hidden states on the GPU straight into the slot's x
+region (on a side stream; the caller's inputs were complete when they were
+checked, client/core.stage_inputs), writes ids and weights into the host control
+slot (the shard checks them there), waits for the gather and rings. The shard
+reads x and writes its partial on its GPU; the answer is a bf16 [rows, H] view of
+the slot's out region on the device, summed on the caller's GPU
+(client/devsum.py) while the slot is held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import torch
+
+from expertd import dataplane as dp
+from expertd.client.shm import ShmChannel, Slot
+from expertd.cudamem import ImportedBuffer, available
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for the slots' gathers."""
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(device)
+        if stream is None:
+            stream = _STREAMS[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def usable() -> tuple[bool, str]:
+    """Can this process lease cuda-ipc slots? Only where it works on a GPU already
+    (CUDA initialized: a process that never touched CUDA is not given a context by
+    the data plane's choice), and can load the CUDA runtime."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device in this process"
+    if not torch.cuda.is_initialized():
+        return False, "CUDA is not in use in this process"
+    return available()
+
+
+class CudaIpcSlot(Slot):
+    """One cuda-ipc slot: the shm slot's control block, ids and weights on the host,
+    x and out in the shard's GPU memory."""
+
+    def __init__(self, lease, index: int, fd: int, layout: dp.Layout, mem: ImportedBuffer):
+        super().__init__(lease, index, fd, layout)
+        self.mem = mem
+        mmax, h = layout.max_tokens, layout.hidden
+        t = mem.tensor
+        n = 2 * mmax * h
+        self.x_dev = t[:n].view(torch.bfloat16).view(mmax, h)
+        off = layout.device_out_offset
+        self.out_dev = t[off : off + n].view(torch.bfloat16).view(mmax, h)
+        self.stream = _stream(t.device)
+
+    def write_proof(self, nonce: int) -> None:
+        """The registration nonce into the device out region too (the shard reads it
+        there: its memory and this mapping are the same)."""
+        word = torch.tensor([nonce], dtype=torch.int64).view(torch.uint8)
+        self.out_dev.view(torch.uint8).view(-1)[:8].copy_(word)
+        torch.cuda.synchronize(self.out_dev.device)
+
+    def start(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        tokens,
+        ids,
+        w,
+        timeout: float,
+        notify: bool,
+        ring: bool = True,
+    ):
+        """Gather one call's rows into the slot (on the side stream), write its routes
+        and header; ring (or leave that to `ring()`). x: the caller's bf16 [M, H] on any
+        device; tokens: the rows of it to send (None: all, in order), ids/w: [m, k]
+        host arrays."""
+        m, k = ids.shape
+        lay = self.layout
+        if m > lay.max_tokens or (m and k > lay.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
+            )
+        if m:
+            dst = self.x_dev[:m]
+            with torch.cuda.stream(self.stream):
+                if x.is_cuda:  # x is complete (stage_inputs waited for the caller's stream)
+                    self.stream.wait_stream(torch.cuda.current_stream(x.device))
+                if tokens is None:
+                    dst.copy_(x, non_blocking=True)
+                else:
+                    rows = torch.from_numpy(np.ascontiguousarray(tokens)).to(x.device)
+                    if x.device == dst.device:
+                        torch.index_select(x, 0, rows, out=dst)
+                    else:
+                        dst.copy_(x.index_select(0, rows), non_blocking=True)
+            self.ids[: m * k] = ids.reshape(-1)
+            self.w[: m * k] = w.reshape(-1)
+        ctl = self.ctl
+        ctl.layer = layer
+        ctl.m = m
+        ctl.k = k
+        ctl.flags = dp.FLAG_NOTIFY if notify else 0
+        ctl.timeout_us = max(int(timeout * 1e6), 1)
+        self.rows = m
+        if ring:
+            self.ring()
+
+    def ring(self) -> None:
+        """The doorbell, once the rows are in the shard's memory."""
+        self.stream.synchronize()
+        super().ring()
+
+    def result(self) -> torch.Tensor:
+        """The answer: bf16 [rows, H] viewing the out region on the shard's GPU (read it
+        before releasing the slot); raises StreamCallError with the shard's status when
+        the call failed."""
+        return self.out_dev[: self.checked_rows()]
+
+    def unmap(self) -> None:
+        if self.ctl is None:
+            return
+        super().unmap()
+        self.x_dev = self.out_dev = None
+        mem, self.mem = self.mem, None
+        if mem is not None:
+            with contextlib.suppress(Exception):  # the mapping goes with the process anyway
+                mem.close()
+
+
+class CudaIpcChannel(ShmChannel):
+    """Every cuda-ipc slot this client holds with one replica."""
+
+    name = dp.CUDA_IPC
+
+    def __init__(self, address: str, instance_id: str, device: torch.device) -> None:
+        super().__init__(address, instance_id)
+        self.device = torch.device(device)

@@ -1,0 +1,184 @@
+"""Device memory that another process of this host can map (CUDA IPC), for the
+`cuda-ipc` slots of the same-host data plane (docs/dataplane.md).
+
+The shard allocates each slot's device regions with cudaMalloc, outside torch's
+caching allocator (whose expandable segments cannot be exported), and hands the
+client a cudaIpcGetMemHandle for each; the client opens it once with
+cudaIpcOpenMemHandle (peer access enabled when the memory lives on another GPU).
+Both ends then see the memory as a torch uint8 tensor (through
+`__cuda_array_interface__`), so every copy into or out of it is an ordinary torch
+copy on an ordinary stream.
+
+The CUDA runtime is the one torch loaded (found in /proc/self/maps), called through
+ctypes: nothing beyond torch is needed. Linux only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+class CudaIpcError(RuntimeError):
+    """A CUDA IPC step failed (the message names the runtime's error)."""
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = (("reserved", ctypes.c_char * HANDLE_BYTES),)
+
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def _runtime_paths() -> list[str]:
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.count("/") else ""
+                if "libcudart.so" in path and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return [*found, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+
+
+def runtime() -> ctypes.CDLL:
+    """The CUDA runtime library (CudaIpcError when there is none to load)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if not torch.cuda.is_available():
+            raise CudaIpcError("no CUDA device in this process")
+        torch.cuda.init()
+        errors = []
+        for name in _runtime_paths():
+            try:
+                lib = ctypes.CDLL(name)
+            except OSError as e:
+                errors.append(str(e))
+                continue
+            lib.cudaGetErrorString.restype = ctypes.c_char_p
+            lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
+            lib.cudaSetDevice.argtypes = (ctypes.c_int,)
+            lib.cudaMalloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+            lib.cudaFree.argtypes = (ctypes.c_void_p,)
+            lib.cudaIpcGetMemHandle.argtypes = (ctypes.POINTER(_Handle), ctypes.c_void_p)
+            lib.cudaIpcOpenMemHandle.argtypes = (
+                ctypes.POINTER(ctypes.c_void_p),
+                _Handle,
+                ctypes.c_uint,
+            )
+            lib.cudaIpcCloseMemHandle.argtypes = (ctypes.c_void_p,)
+            _lib = lib
+            return lib
+        raise CudaIpcError(f"the CUDA runtime library is not loadable: {'; '.join(errors)}")
+
+
+def available() -> tuple[bool, str]:
+    """(whether this process can export and map CUDA IPC memory, why not)."""
+    try:
+        runtime()
+    except CudaIpcError as e:
+        return False, str(e)
+    return True, ""
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        text = runtime().cudaGetErrorString(rc).decode(errors="replace")
+        raise CudaIpcError(f"{what}: {text} (CUDA error {rc})")
+
+
+class _Span:
+    """A device range as `__cuda_array_interface__` (torch.as_tensor shares it and keeps
+    this object, hence its owner, alive as long as any tensor views it)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class DeviceBuffer:
+    """`nbytes` of device memory allocated here with cudaMalloc, exportable."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        lib = runtime()
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            _check(lib.cudaSetDevice(self.device.index or 0), "cudaSetDevice")
+            _check(lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "cudaMalloc")
+        self.ptr: int | None = ptr.value
+        self._tensor = torch.as_tensor(_Span(self.ptr, nbytes, self))
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """uint8 [nbytes] over the memory."""
+        return self._tensor
+
+    def handle(self) -> bytes:
+        """The IPC handle another process opens with `ImportedBuffer`."""
+        h = _Handle()
+        with torch.cuda.device(self.device):
+            _check(runtime().cudaIpcGetMemHandle(ctypes.byref(h), self.ptr), "cudaIpcGetMemHandle")
+        return bytes(h.reserved)
+
+    def free(self) -> None:
+        """Free the memory: only once no queued GPU work and no tensor uses it."""
+        if self.ptr is None:
+            return
+        self._tensor = None
+        ptr, self.ptr = self.ptr, None
+        with torch.cuda.device(self.device):
+            _check(runtime().cudaFree(ptr), "cudaFree")
+
+
+class ImportedBuffer:
+    """Another process's DeviceBuffer, opened from its handle on `device` (the GPU this
+    process works on; peer access is enabled when the memory lives on another)."""
+
+    def __init__(self, handle: bytes, nbytes: int, device: torch.device) -> None:
+        if len(handle) != HANDLE_BYTES:
+            raise CudaIpcError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
+        lib = runtime()
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        h = _Handle()
+        ctypes.memmove(h.reserved, handle, HANDLE_BYTES)
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            _check(lib.cudaSetDevice(self.device.index or 0), "cudaSetDevice")
+            rc = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _LAZY_PEER_ACCESS)
+            _check(rc, "cudaIpcOpenMemHandle")
+        self.ptr: int | None = ptr.value
+        # torch asks the pointer which device it lives on: the exporter's GPU (naming a
+        # device here would copy the memory there instead of viewing it)
+        self._tensor = torch.as_tensor(_Span(self.ptr, nbytes, self))
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def close(self) -> None:
+        """Unmap: only once no queued GPU work and no tensor uses it."""
+        if self.ptr is None:
+            return
+        self._tensor = None
+        ptr, self.ptr = self.ptr, None
+        with torch.cuda.device(self.device):
+            _check(runtime().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
