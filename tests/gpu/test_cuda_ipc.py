@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from expertd import dataplane as dp
-from expertd.client import ExpertClient, ShardCallError
+from expertd.client import ExpertClient, ExpertdError, ShardCallError
 from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.synthetic import get_preset
 
@@ -98,10 +98,9 @@ def test_cuda_ipc_dead_shard_is_seen_within_the_deadline():
             procs[0].process.kill()
             procs[0].process.wait()
             t0 = time.monotonic()
-            with pytest.raises(Exception) as info:
+            with pytest.raises(ExpertdError) as info:
                 client.forward(0, x, ids, w)
             took = time.monotonic() - t0
-            assert took < 5.5, f"a dead shard took {took:.1f} s to notice"
-            assert "UNAVAILABLE" in str(info.value) or "DEADLINE" in str(info.value), info.value
+            assert took < 5.5, f"a dead shard took {took:.1f} s to notice: {info.value}"
     finally:
         stop_shards(procs)
