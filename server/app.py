@@ -86,7 +86,11 @@ class RunningServer:
         self.servicer.draining = True
         await self.server.stop(grace_s)
         if self.health_server is not None:
-            await self.health_server.stop(0)
+            # Its calls end by themselves once health is shut down (a Check at once, a
+            # Watch after its NOT_SERVING), so a graceful stop returns as soon as they
+            # have; stop(0) would cancel a Watch whose last write is still in flight on
+            # a loaded machine, and its client would never see NOT_SERVING.
+            await self.health_server.stop(grace_s)
         await self.servicer.close()
         if self.inference is not None:
             self.inference.close()  # unregisters every shared-memory region

@@ -55,13 +55,18 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         """The status now, then each change; ends after shutdown()'s NOT_SERVING."""
         sent = None
         while True:
-            changed = self._changed  # taken before reading: a change after it sets it
+            # Event, closing flag and status are read together, before any await: a
+            # shutdown() while a write below is in flight sets `changed`, and the next
+            # pass sends NOT_SERVING. (Deciding to end on `_closing` read after the
+            # write would end the stream without it.)
+            changed = self._changed
+            closing = self._closing
             status = self._status.get(request.service, SERVICE_UNKNOWN)
-            if self._closing:  # the whole server is going away, whatever the service
+            if closing:  # the whole server is going away, whatever the service
                 status = NOT_SERVING
             if status != sent:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 sent = status
-            if self._closing:
+            if closing:
                 return
             await changed.wait()

@@ -5,6 +5,7 @@ never holds shutdown for the grace period."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertd.launcher import start_shard, wait_serving
 from expertd.server.app import BackgroundServer
+from expertd.server.health import HealthServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -52,6 +54,36 @@ class Watcher:
     def close(self) -> None:
         self.call.cancel()
         self.channel.close()
+
+
+class HeldWrites:
+    """A Watch's context whose writes finish only when released: a write still in
+    flight (queued behind a loaded event loop) when the drain begins."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.writing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def write(self, reply) -> None:
+        self.writing.set()
+        await self.release.wait()
+        self.sent.append(reply.status)
+
+
+def test_watch_sends_not_serving_when_shutdown_lands_during_a_write():
+    async def scenario() -> list[int]:
+        health = HealthServicer()
+        await health.set("", SERVING)
+        context = HeldWrites()
+        watch = asyncio.create_task(health.Watch(health_pb2.HealthCheckRequest(), context))
+        await asyncio.wait_for(context.writing.wait(), 5)  # SERVING's write under way
+        await health.shutdown()
+        context.release.set()
+        await asyncio.wait_for(watch, 5)
+        return context.sent
+
+    assert asyncio.run(scenario()) == [SERVING, NOT_SERVING]
 
 
 def free_port() -> int:
