@@ -20,8 +20,9 @@ import threading
 import numpy as np
 import torch
 
+from expertd import cudamem
 from expertd import dataplane as dp
-from expertd.client.shm import ShmChannel, Slot
+from expertd.client.shm import LeaseError, ShmChannel, Slot
 from expertd.cudamem import ImportedBuffer, available
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -142,7 +143,25 @@ class CudaIpcChannel(ShmChannel):
     """Every cuda-ipc slot this client holds with one replica."""
 
     name = dp.CUDA_IPC
+    on_device = True
 
     def __init__(self, address: str, instance_id: str, device: torch.device) -> None:
         super().__init__(address, instance_id)
         self.device = torch.device(device)
+
+    def map_slots(self, sock, lease, fds, layout: dp.Layout) -> None:
+        """Read the slots' CUDA IPC handles (the message after FDS on the lease socket)
+        and map each slot's host and GPU memory (LeaseError when this process cannot)."""
+        msg = sock.recv(16 + cudamem.HANDLE_BYTES * len(fds))
+        if msg[:1] == dp.REFUSED:
+            raise LeaseError(f"shard refused the lease: {msg[1:].decode(errors='replace')}")
+        handles = msg[1:]
+        if msg[:1] != dp.HANDLES or len(handles) != cudamem.HANDLE_BYTES * len(fds):
+            raise LeaseError("malformed CUDA IPC handles on the lease socket")
+        for i, fd in enumerate(fds):
+            handle = handles[i * cudamem.HANDLE_BYTES : (i + 1) * cudamem.HANDLE_BYTES]
+            try:
+                mem = ImportedBuffer(handle, layout.device_bytes, self.device)
+            except cudamem.CudaIpcError as e:  # another host's GPU, no IPC in this container
+                raise LeaseError(f"cannot map the shard's GPU memory here: {e}") from None
+            lease.slots.append(CudaIpcSlot(lease, i, fd, layout, mem))

@@ -356,7 +356,7 @@ class ShmChannel(SlotPool):
     """Every slot this client holds with one replica; thread-safe hand-out."""
 
     name = dp.SHM
-    device = None  # cuda-ipc (client/cudaipc.py): the GPU this client works on
+    on_device = False  # cuda-ipc (client/cudaipc.py): x and out in the shard's GPU memory
 
     def __init__(self, address: str, instance_id: str) -> None:
         self.address = address
@@ -378,15 +378,18 @@ class ShmChannel(SlotPool):
             raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
         if reply.instance_id != self.instance_id:
             raise LeaseError("the replica restarted while registering")
-        lease = await asyncio.get_running_loop().run_in_executor(
-            None, _claim, reply, timeout, self.device
-        )
+        lease = await asyncio.get_running_loop().run_in_executor(None, _claim, reply, timeout, self)
         lease.watch(asyncio.get_running_loop())
         for slot in lease.slots:
             slot.channel = self
         with self._lock:
             self.leases.append(lease)
             self._free.extend(lease.slots)
+
+    def map_slots(self, sock: socket.socket, lease: Lease, fds, layout: dp.Layout) -> None:
+        """Map the lease's slots into this process (blocking, on the lease's socket
+        thread); a transport whose slots hold more than host memory reads more here."""
+        lease.slots.extend(Slot(lease, i, fd, layout) for i, fd in enumerate(fds))
 
     def close(self) -> None:
         with self._lock:
@@ -395,12 +398,11 @@ class ShmChannel(SlotPool):
             lease.close()
 
 
-def _claim(reply, timeout: float, device=None) -> Lease:
-    """The socket side of registering (blocking, off the event loop). `device`: a
-    cuda-ipc lease, whose slots' x and out regions are the shard's GPU memory, mapped
-    here for work on `device`."""
+def _claim(reply, timeout: float, channel: ShmChannel) -> Lease:
+    """The socket side of registering (blocking, off the event loop); `channel` maps
+    the slots (a cuda-ipc lease's x and out regions are the shard's GPU memory)."""
     try:
-        layout = dp.Layout.from_proto(reply.layout, device=device is not None)
+        layout = dp.Layout.from_proto(reply.layout, device=channel.on_device)
     except ValueError as e:
         raise LeaseError(str(e)) from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -422,17 +424,14 @@ def _claim(reply, timeout: float, device=None) -> Lease:
             for fd in fds:
                 if not dp.is_sealed(fd) or os.fstat(fd).st_size < layout.byte_size:
                     raise LeaseError("slot memory is not sealed at its size")
-            if device is None:
-                lease.slots.extend(Slot(lease, i, fd, layout) for i, fd in enumerate(fds))
-            else:
-                _map_device_slots(sock, lease, fds, layout, device)
+            channel.map_slots(sock, lease, fds, layout)
         finally:
             for fd in fds:
                 os.close(fd)
         nonces = [secrets.randbits(63) | 1 for _ in lease.slots]
         for slot, nonce in zip(lease.slots, nonces, strict=True):
             slot.ctl.nonce = nonce
-            if device is not None:
+            if channel.on_device:
                 slot.write_proof(nonce)
         sock.send(dp.PROOF + b"".join(struct.pack("<Q", n) for n in nonces))
         answer = sock.recv(256)
@@ -449,24 +448,3 @@ def _claim(reply, timeout: float, device=None) -> Lease:
     finally:
         if lease is not None and not lease.closed:
             sock.settimeout(None)
-
-
-def _map_device_slots(sock: socket.socket, lease: Lease, fds, layout: dp.Layout, device) -> None:
-    """cuda-ipc: read the slots' CUDA IPC handles (the message after FDS) and map each
-    slot's host and device memory (LeaseError when this process cannot)."""
-    from expertd import cudamem
-    from expertd.client.cudaipc import CudaIpcSlot
-
-    msg = sock.recv(16 + cudamem.HANDLE_BYTES * len(fds))
-    if msg[:1] == dp.REFUSED:
-        raise LeaseError(f"shard refused the lease: {msg[1:].decode(errors='replace')}")
-    handles = msg[1:]
-    if msg[:1] != dp.HANDLES or len(handles) != cudamem.HANDLE_BYTES * len(fds):
-        raise LeaseError("malformed CUDA IPC handles on the lease socket")
-    for i, fd in enumerate(fds):
-        handle = handles[i * cudamem.HANDLE_BYTES : (i + 1) * cudamem.HANDLE_BYTES]
-        try:
-            mem = cudamem.ImportedBuffer(handle, layout.device_bytes, device)
-        except cudamem.CudaIpcError as e:  # another host's GPU, no IPC in this container...
-            raise LeaseError(f"cannot map the shard's GPU memory here: {e}") from None
-        lease.slots.append(CudaIpcSlot(lease, i, fd, layout, mem))
