@@ -136,7 +136,7 @@ class DeviceBuffer:
         h = _Handle()
         with torch.cuda.device(self.device):
             _check(runtime().cudaIpcGetMemHandle(ctypes.byref(h), self.ptr), "cudaIpcGetMemHandle")
-        return bytes(h.reserved)
+        return bytes(h)  # the raw 64 bytes (h.reserved would stop at the first NUL)
 
     def free(self) -> None:
         """Free the memory: only once no queued GPU work and no tensor uses it."""
@@ -158,8 +158,7 @@ class ImportedBuffer:
         lib = runtime()
         self.device = torch.device(device)
         self.nbytes = nbytes
-        h = _Handle()
-        ctypes.memmove(h.reserved, handle, HANDLE_BYTES)
+        h = _Handle.from_buffer_copy(handle)
         ptr = ctypes.c_void_p()
         with torch.cuda.device(self.device):
             _check(lib.cudaSetDevice(self.device.index or 0), "cudaSetDevice")
