@@ -363,7 +363,7 @@ def main() -> int:
     ms = [int(m) for m in args.ms.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
     with_nixl = nixl.available()
-    default = "grpc,shm,nixl" if with_nixl else "grpc,shm"
+    default = "grpc,tcp,shm,nixl" if with_nixl else "grpc,tcp,shm"
     if args.device == "cuda":
         default += ",cuda-ipc"
     transports = (args.transports or default).split(",")

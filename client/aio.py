@@ -29,7 +29,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import nixl as nixl_plane
-from expertd import tracing
+from expertd import rawtcp, tracing
 from expertd.client import cudaipc
 from expertd.client import nixl as nixl_client
 from expertd.client.channels import TLS, ExpertStub, call_metadata, metadata_tuples, open_channel
@@ -55,6 +55,7 @@ from expertd.client.routing import (
 from expertd.client.shm import MAX_SLOTS, SLOTS_PER_LEASE, LeaseError, ShmChannel
 from expertd.client.shm import Slot as ShmSlot
 from expertd.client.stream import ForwardStream, StreamCallError
+from expertd.client.tcp import TcpChannel, TcpSlot
 from expertd.client.telemetry import Telemetry, transfer_attributes
 from expertd.v1 import expertd_pb2 as pb
 
@@ -65,9 +66,11 @@ BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
 # slots with the others when NIXL is installed, and uses gRPC for the rest; "cuda-ipc",
 # "shm" and "nixl" ask for that data plane everywhere (a replica that cannot give it fails
 # the call's attempt with UNAVAILABLE; without NIXL installed, "nixl" warns once and uses
-# gRPC); "grpc" (= "stream") and "unary" use no data plane.
-TRANSPORTS = ("auto", "cuda-ipc", "shm", "nixl", "grpc", "stream", "unary")
-FORCED_SLOTS = ("cuda-ipc", "shm")
+# gRPC); "tcp" asks for slots over raw TCP connections everywhere (the tensors outside
+# gRPC: what "auto" uses for a replica on another host when NIXL is not there, or that
+# offers none); "grpc" (= "stream") and "unary" use no data plane.
+TRANSPORTS = ("auto", "cuda-ipc", "shm", "nixl", "tcp", "grpc", "stream", "unary")
+FORCED_SLOTS = ("cuda-ipc", "shm", "tcp")
 
 
 class Fallback(Exception):
@@ -122,10 +125,11 @@ class AsyncExpertClient:
         self._shm = transport in ("auto", "shm") and dp.available()
         self._cuda_ipc = transport in ("auto", "cuda-ipc") and dp.available()
         self._nixl = transport in ("auto", "nixl")  # NIXL itself is loaded on first use
-        self._slots_on = self._shm or self._cuda_ipc or self._nixl
+        self._tcp = transport in ("auto", "tcp")
+        self._slots_on = self._shm or self._cuda_ipc or self._nixl or self._tcp
         self._nixl_agent: nixl_client.ClientAgent | None = None
         self._nixl_why = ""
-        if transport in FORCED_SLOTS and not dp.available():
+        if transport in ("cuda-ipc", "shm") and not dp.available():
             raise ValueError(f"transport {transport!r} needs Linux (memfd, futex, fd passing)")
         if not addresses:
             raise ValueError(f"{type(self).__name__} needs at least one address")
@@ -256,6 +260,19 @@ class AsyncExpertClient:
                 else:
                     ep.dataplane, ep.dataplane_why = ch, ""
                     return ch
+        if self._tcp:
+            if rawtcp.TCP not in offered:
+                whys.append("the replica offers no tcp data plane")
+            else:
+                ch = TcpChannel(ep.address, instance)
+                try:
+                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+                except (LeaseError, OSError) as e:
+                    ch.close()
+                    whys.append(str(e))
+                else:
+                    ep.dataplane, ep.dataplane_why = ch, ""
+                    return ch
         ep.dataplane_why = "; ".join(whys)
         return None
 
@@ -308,7 +325,9 @@ class AsyncExpertClient:
             timeout,
             notify=True,
         )
-        if not slot.answered():
+        if isinstance(slot, TcpSlot):  # its connection is read on this loop
+            await slot.wait_async(timeout)
+        elif not slot.answered():
             fut = loop.create_future()
             lease.waiters[slot.index] = (slot.seq, fut)
             try:

@@ -65,6 +65,14 @@ def _float(lo=None, hi=None):
 _PORT = _number(int, 0, 65535, "a port")
 
 
+def _port_or_off(text: str):
+    """A port (0: any free one), or off -> None."""
+    return None if text.strip().lower() == "off" else _PORT(text)
+
+
+_port_or_off.__name__ = "port"
+
+
 def _address(text: str) -> str:
     """host:port ([v6]:port too) or unix:PATH."""
     if text.startswith(("unix:", "unix-abstract:")):
@@ -319,6 +327,16 @@ def _serve_parser(sub) -> None:
         group=run,
     )
     o(
+        "--tcp-data-port",
+        env="TCP_DATA_PORT",
+        type=_port_or_off,
+        default=0,
+        metavar="PORT|off",
+        help="raw TCP data plane (tensors outside gRPC) on this port of the serving host "
+        "(0: any free port; off: none; never offered with TLS on)",
+        group=run,
+    )
+    o(
         "--health-listen",
         env="HEALTH_LISTEN",
         type=_address,
@@ -526,6 +544,7 @@ def cmd_serve(args) -> int:
         metrics_created=args.metrics_created,
         trace=args.trace,
         health_listen=args.health_listen,
+        tcp_data_port=args.tcp_data_port,
     )
 
     def announce(address: str) -> None:  # one machine-readable line for launchers

@@ -63,6 +63,7 @@ class RunningServer:
     metrics_host: str | None = None
     health_server: grpc.aio.Server | None = None  # plaintext health-only port (TLS setups)
     health_port: int | None = None
+    tcp_port: int | None = None  # the raw TCP data plane's port (None: off)
     inference: InferenceServicer | None = None  # the OIP service (holds shared-memory regions)
     trimmer: HeapTrimmer | None = None  # returns freed memory after large requests
 
@@ -230,6 +231,13 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     running = RunningServer(
         server, servicer, health_servicer, _bound(config.listen, port), port, metrics
     )
+    if (
+        config.tcp_data_port is not None
+        and credentials is None
+        and not config.listen.startswith("unix")
+    ):
+        host = config.listen.rpartition(":")[0].strip("[]")
+        running.tcp_port = servicer.open_tcp(host, config.tcp_data_port, config.receive_timeout_s)
     running.inference = inference
     where = metrics_address(config)
     if where is not None:
@@ -328,12 +336,13 @@ def security_posture(config: ServerConfig, running: RunningServer) -> tuple[int,
         host = running.metrics_host
         host = f"[{host}]" if ":" in host else host
         metrics = f"{host}:{running.metrics_port} (plaintext, no auth)"
+    tcp = "off" if running.tcp_port is None else f"port {running.tcp_port} (plaintext)"
     health = "off"
     if running.health_server is not None:
         health = f"{_bound(config.health_listen, running.health_port)} (plaintext)"
     line = (
         f"security: listening on {running.address}, auth {auth}, TLS {tls}, "
-        f"metrics {metrics}, health-only port {health}"
+        f"metrics {metrics}, health-only port {health}, tcp data plane {tcp}"
     )
     host = running.address.rsplit(":", 1)[0].strip("[]")
     local = running.address.startswith("unix:") or host in ("127.0.0.1", "::1", "localhost")

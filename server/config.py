@@ -64,6 +64,9 @@ class ServerConfig:
     metrics_created: bool = False  # also serve the *_created series of counters, histograms
     trace: str | None = None  # tracing (expertd/tracing.py): off, on, console, otlp, jsonl:PATH
     health_listen: str | None = None  # extra plaintext grpc.health.v1-only address
+    # The raw TCP data plane (server/tcpslots.py) on this port of the serving host (0: any
+    # free port; None: off). Never with TLS: its tensors travel in the clear.
+    tcp_data_port: int | None = 0
 
     def source(self) -> str:
         if self.synthetic:

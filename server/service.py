@@ -19,8 +19,8 @@ import torch
 
 import expertd
 from expertd import dataplane as dp
-from expertd import nixl, tracing
-from expertd.server import remote, slots
+from expertd import nixl, rawtcp, tracing
+from expertd.server import remote, slots, tcpslots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
@@ -116,6 +116,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.remote: remote.RemoteRegistry | None = (
             remote.RemoteRegistry(self, self._instance) if nixl.installed() else None
         )
+        # Slots over raw TCP connections (server/tcpslots.py): opened by `open_tcp`.
+        self.tcp: tcpslots.TcpRegistry | None = None
+
+    def open_tcp(self, host: str, port: int, receive_timeout_s: float) -> int:
+        """Listen for tcp data plane connections on host:port (0: any free port) -> the port."""
+        self.tcp = tcpslots.TcpRegistry(self, host, port, receive_timeout_s)
+        return self.tcp.port
 
     @property
     def draining(self) -> bool:
@@ -151,6 +158,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             self.slots.close()
         if self.remote is not None:
             self.remote.close()
+        if self.tcp is not None:
+            self.tcp.close()
         if self.batcher is not None:
             await self.batcher.stop()
         self._compute.shutdown(wait=True)
@@ -234,6 +243,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def dataplanes(self) -> list[str]:
         """The data planes this server offers besides gRPC."""
         offered = self.slots.offered() if self.slots is not None else []
+        if self.tcp is not None:
+            offered.append(rawtcp.TCP)
         return offered + ([nixl.NIXL] if self.remote is not None else [])
 
     def count_slot(self, code: grpc.StatusCode) -> None:
@@ -346,33 +357,38 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 task.cancel()
 
     async def RegisterSlots(self, request, context):
-        if self.slots is None:
+        tcp = request.transport == rawtcp.TCP
+        if (self.tcp if tcp else self.slots) is None:
+            what = "tcp" if tcp else "same-host"
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "this server offers no same-host data plane"
+                grpc.StatusCode.FAILED_PRECONDITION, f"this server offers no {what} data plane"
             )
         if self.bank is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still loading its experts")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        hidden = self.bank.info.hidden_size
         try:
-            token, lease_id, layout = self.slots.book(
-                request.transport,
-                request.slots,
-                request.max_tokens,
-                request.top_k,
-                self.bank.info.hidden_size,
-            )
+            if tcp:
+                token, lease_id, layout = self.tcp.book(
+                    request.slots, request.max_tokens, request.top_k, hidden
+                )
+            else:
+                token, lease_id, layout = self.slots.book(
+                    request.transport, request.slots, request.max_tokens, request.top_k, hidden
+                )
         except RequestError as e:
             self._count("RegisterSlots", e.code)
             await context.abort(e.code, e.message)
         self._count("RegisterSlots", grpc.StatusCode.OK)
         return pb.RegisterSlotsResponse(
-            socket_name=self.slots.name,
+            socket_name="" if tcp else self.slots.name,
             token=token,
             lease_id=lease_id,
             layout=layout.to_proto(pb),
             instance_id=self._instance,
             slots=request.slots or 1,
+            data_port=self.tcp.port if tcp else 0,
         )
 
     async def RegisterRemoteSlots(self, request, context):

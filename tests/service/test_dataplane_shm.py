@@ -94,7 +94,7 @@ def test_describe_names_the_dataplanes(cluster):
         async with grpc.aio.insecure_channel(cluster[0].address) as ch:
             return await ExpertStub(ch).Describe(pb.DescribeRequest(), timeout=10)
 
-    offered = ["shm"] + (["nixl"] if nixl.installed() else [])
+    offered = ["shm", "tcp"] + (["nixl"] if nixl.installed() else [])
     assert list(asyncio.run(describe()).dataplanes) == offered
 
 

@@ -273,6 +273,8 @@ def _secure(address, pki, cert=None, ca="ca"):
 def test_tls_and_mutual_tls(bank0, pki):
     files = {"tls_cert": str(pki / "server.pem"), "tls_key": str(pki / "server.key")}
     with BackgroundServer(shard_config(0, **files), bank=bank0) as server:
+        # the raw TCP data plane carries tensors in the clear: never beside TLS
+        assert server._running.tcp_port is None and "tcp" not in server.servicer.dataplanes()
         with _secure(server.address, pki) as ch:
             assert (
                 pb_grpc.ExpertServiceStub(ch).Describe(pb.DescribeRequest(), timeout=5).num_experts
