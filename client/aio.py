@@ -224,24 +224,12 @@ class AsyncExpertClient:
             else:
                 device = torch.device("cuda", torch.cuda.current_device())
                 ch = CudaIpcChannel(ep.address, instance, device)
-                try:
-                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
-                except (LeaseError, OSError) as e:
-                    ch.close()
-                    whys.append(str(e))
-                else:
-                    ep.dataplane, ep.dataplane_why = ch, ""
+                if await self._lease(ep, ch, timeout, whys):
                     return ch
         if self._shm:
             if dp.SHM in offered:
                 ch = ShmChannel(ep.address, instance)
-                try:
-                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
-                except (LeaseError, OSError) as e:
-                    ch.close()
-                    whys.append(str(e))
-                else:
-                    ep.dataplane, ep.dataplane_why = ch, ""
+                if await self._lease(ep, ch, timeout, whys):
                     return ch
             else:
                 whys.append("the replica offers no same-host data plane")
@@ -252,29 +240,29 @@ class AsyncExpertClient:
                 whys.append(self._nixl_why)
             else:
                 ch = nixl_client.NixlChannel(owner, ep.address, ep.info)
-                try:
-                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
-                except (LeaseError, OSError) as e:
-                    ch.close()
-                    whys.append(str(e))
-                else:
-                    ep.dataplane, ep.dataplane_why = ch, ""
+                if await self._lease(ep, ch, timeout, whys):
                     return ch
         if self._tcp:
             if rawtcp.TCP not in offered:
                 whys.append("the replica offers no tcp data plane")
             else:
                 ch = TcpChannel(ep.address, instance)
-                try:
-                    await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
-                except (LeaseError, OSError) as e:
-                    ch.close()
-                    whys.append(str(e))
-                else:
-                    ep.dataplane, ep.dataplane_why = ch, ""
+                if await self._lease(ep, ch, timeout, whys):
                     return ch
         ep.dataplane_why = "; ".join(whys)
         return None
+
+    async def _lease(self, ep: Endpoint, ch, timeout: float, whys: list[str]) -> bool:
+        """Lease the first slots of channel `ch` with `ep`: True, and `ch` is its data
+        plane; False (why appended to `whys`, `ch` closed) when it cannot be done."""
+        try:
+            await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
+        except (LeaseError, OSError) as e:
+            ch.close()
+            whys.append(str(e))
+            return False
+        ep.dataplane, ep.dataplane_why = ch, ""
+        return True
 
     def _nixl_owner(self) -> nixl_client.ClientAgent | None:
         """This client's NIXL agent, made on first use; None without NIXL (warned once)."""

@@ -366,18 +366,7 @@ class ShmChannel(SlotPool):
 
     async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
         """Lease `slots` more slots from the replica (LeaseError when it cannot be done)."""
-        from expertd.v1 import expertd_pb2 as pb
-
-        try:
-            reply = await stub.RegisterSlots(
-                pb.RegisterSlotsRequest(transport=self.name, slots=slots),
-                timeout=timeout,
-                metadata=metadata,
-            )
-        except grpc.RpcError as e:
-            raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
-        if reply.instance_id != self.instance_id:
-            raise LeaseError("the replica restarted while registering")
+        reply = await register_slots(stub, metadata, self, slots, timeout)
         lease = await asyncio.get_running_loop().run_in_executor(None, _claim, reply, timeout, self)
         lease.watch(asyncio.get_running_loop())
         for slot in lease.slots:
@@ -396,6 +385,24 @@ class ShmChannel(SlotPool):
             leases, self.leases, self._free = self.leases, [], []
         for lease in leases:
             lease.close()
+
+
+async def register_slots(stub, metadata, channel, slots: int, timeout: float):
+    """RegisterSlots for `slots` slots of `channel`'s transport with its replica -> the
+    reply (LeaseError when refused, or when the replica restarted meanwhile)."""
+    from expertd.v1 import expertd_pb2 as pb
+
+    try:
+        reply = await stub.RegisterSlots(
+            pb.RegisterSlotsRequest(transport=channel.name, slots=slots),
+            timeout=timeout,
+            metadata=metadata,
+        )
+    except grpc.RpcError as e:
+        raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
+    if reply.instance_id != channel.instance_id:
+        raise LeaseError("the replica restarted while registering")
+    return reply
 
 
 def _claim(reply, timeout: float, channel: ShmChannel) -> Lease:

@@ -30,7 +30,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd import rawtcp
-from expertd.client.shm import LeaseError, SlotPool, fill_rows
+from expertd.client.shm import LeaseError, SlotPool, fill_rows, register_slots
 from expertd.client.stream import StreamCallError
 
 WAIT_SLICE_S = 0.02  # the caller's thread checks the lease's end this often
@@ -140,7 +140,7 @@ class TcpSlot:
                     self._answer = (
                         status,
                         rows,
-                        dict(zip(rawtcp.TIMING_FIELDS, timing, strict=True)),
+                        dict(zip(dp.TIMING_FIELDS, timing, strict=True)),
                         "",
                     )
                     self._got = 0
@@ -287,18 +287,7 @@ class TcpChannel(SlotPool):
 
     async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
         """Lease `slots` more slots from the replica (LeaseError when it cannot be done)."""
-        from expertd.v1 import expertd_pb2 as pb
-
-        try:
-            reply = await stub.RegisterSlots(
-                pb.RegisterSlotsRequest(transport=self.name, slots=slots),
-                timeout=timeout,
-                metadata=metadata,
-            )
-        except grpc.RpcError as e:
-            raise LeaseError(f"RegisterSlots: {e.code().name}: {e.details()}") from None
-        if reply.instance_id != self.instance_id:
-            raise LeaseError("the replica restarted while registering")
+        reply = await register_slots(stub, metadata, self, slots, timeout)
         lease = await asyncio.get_running_loop().run_in_executor(
             None, self._connect, reply, timeout
         )

@@ -37,17 +37,8 @@ REFUSED = b"X"  # + why (UTF-8, at most 200 bytes), then the connection closes
 CALL = struct.Struct("<IIIIQQ")
 # seq, status (a grpc.StatusCode value, 0: OK), rows, error_len, then the timing of
 # expertd.v1.Timing: queue_us, compute_us, total_us, stage_us, device_us,
-# batch_requests, batch_tokens
+# batch_requests, batch_tokens (dataplane.TIMING_FIELDS' order)
 ANSWER = struct.Struct("<IiIIQQQQQII")
-TIMING_FIELDS = (
-    "queue_us",
-    "compute_us",
-    "total_us",
-    "stage_us",
-    "device_us",
-    "batch_requests",
-    "batch_tokens",
-)
 MAX_ERROR_BYTES = 1024
 
 

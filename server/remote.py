@@ -34,8 +34,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import nixl
-from expertd.server.batcher import Job
-from expertd.server.validate import RequestError, check_forward, invalid
+from expertd.server.validate import RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
 log = logging.getLogger("expertd.server")
@@ -331,13 +330,7 @@ class RemoteRegistry:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
         x, ids, w = slot.inputs(m, k, lay.hidden)
         ids, w = ids.clone(), w.clone()  # checked values stay checked
-        args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
-        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-        job = Job(args, deadline, received, None, rid, slot)
-        if self.servicer.batcher.run_direct(job):
-            self.servicer.count_slot(grpc.StatusCode.OK)
-            return
-        self.servicer.submit_threadsafe(job)
+        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received)
 
     def close(self) -> None:
         """End every lease (their streams end) and stop the progress thread."""

@@ -25,7 +25,7 @@ from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
-from expertd.server.validate import Limits, RequestError, parse_forward
+from expertd.server.validate import Limits, RequestError, check_forward, parse_forward
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import expertd_pb2_grpc as pb_grpc
 
@@ -212,6 +212,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             self.metrics.inflight.set(self._inflight)
 
     # -- calls arriving through a shared-memory slot (server/slots.py) -----------------
+
+    def run_slot_call(self, slot, bank, layer, x, ids, w, timeout_us, request_id, received):
+        """A call read from a slot of any transport (its thread): checked as Forward
+        is, then run on that thread when the batcher is idle (answered when this
+        returns), else queued on the event loop. RequestError for a refused call."""
+        args = check_forward(layer, x, ids, w, bank.info, self.limits, bank.has_layer)
+        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+        job = Job(args, deadline, received, None, request_id, slot)
+        if self.batcher.run_direct(job):
+            self.count_slot(grpc.StatusCode.OK)
+            return
+        self.submit_threadsafe(job)
 
     def submit_threadsafe(self, job: Job) -> None:
         """Queue a checked slot call (job.sink: its slot) from the slot's waiter thread."""

@@ -42,8 +42,7 @@ import torch
 
 from expertd import cudamem
 from expertd import dataplane as dp
-from expertd.server.batcher import Job
-from expertd.server.validate import RequestError, check_forward, invalid
+from expertd.server.validate import RequestError, invalid
 
 log = logging.getLogger("expertd.server")
 
@@ -461,13 +460,9 @@ class SlotRegistry:
         # ids and weights are copied (m * k words): the client cannot change an id after
         # it was checked. x stays a view; its values only shape the client's own answer.
         x, ids, w = slot.inputs(m, k, lay.hidden)
-        args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
-        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-        job = Job(args, deadline, received, None, ctl.request_id, slot)
-        if self.servicer.batcher.run_direct(job):  # idle: run here, answered already
-            self.servicer.count_slot(grpc.StatusCode.OK)
-            return
-        self.servicer.submit_threadsafe(job)
+        self.servicer.run_slot_call(
+            slot, bank, layer, x, ids, w, timeout_us, ctl.request_id, received
+        )
 
     def close(self) -> None:
         """Stop accepting and end every lease (clients see the socket close)."""

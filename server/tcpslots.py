@@ -34,8 +34,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import rawtcp
-from expertd.server.batcher import Job
-from expertd.server.validate import RequestError, check_forward, invalid
+from expertd.server.validate import RequestError, invalid
 
 log = logging.getLogger("expertd.server")
 
@@ -107,7 +106,7 @@ class TcpSlot:
             self._out[:n] = data
             self._rows_bytes = n
             rows_n = n // (2 * self.layout.hidden)
-            values = [int(timing.get(name, 0)) for name in rawtcp.TIMING_FIELDS]
+            values = [int(timing.get(name, 0)) for name in dp.TIMING_FIELDS]
             self._answer = rawtcp.ANSWER.pack(self.seq, 0, rows_n, 0, *values)
             self._error = b""
             self.busy = False
@@ -118,7 +117,7 @@ class TcpSlot:
             if not self.busy:
                 return
             text = message.encode("utf-8", "replace")[: rawtcp.MAX_ERROR_BYTES]
-            zeros = [0] * len(rawtcp.TIMING_FIELDS)
+            zeros = [0] * len(dp.TIMING_FIELDS)
             self._answer = rawtcp.ANSWER.pack(self.seq, code.value[0], 0, len(text), *zeros)
             self._error = text
             self._rows_bytes = 0
@@ -346,13 +345,7 @@ class TcpRegistry:
     def _take(self, slot: TcpSlot, layer, m, k, timeout_us, rid, received) -> None:
         bank = self.servicer.admit()
         x, ids, w = slot.inputs(m, k, slot.layout.hidden)
-        args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
-        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-        job = Job(args, deadline, received, None, rid, slot)
-        if self.servicer.batcher.run_direct(job):  # idle: run here, answered already
-            self.servicer.count_slot(grpc.StatusCode.OK)
-            return
-        self.servicer.submit_threadsafe(job)
+        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received)
 
     def _dropped(self, lease: TcpLease) -> None:
         with self._lock:
