@@ -379,8 +379,11 @@ class AsyncExpertClient:
                 if isinstance(slot, ShmSlot):  # rung below, once every slot is written: a
                     slot.start(layer, x_bits, tokens, ids, w, remaining, False, ring=False)
                     later.append(slot)  # woken shard may take this CPU at once (2 cores)
-                else:
-                    slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
+                else:  # sent now (tcp, nixl): a lease that ended goes to the loop's path
+                    try:
+                        slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
+                    except StreamCallError:
+                        raise Fallback from None
             for slot in later:
                 slot.ring()
             pieces = []

@@ -136,13 +136,13 @@ class Metrics:
         )
         self.dataplane_leases = Gauge(
             "expertd_dataplane_leases",
-            "Same-host data plane leases held by clients, by transport",
+            "Data plane leases held by clients, by transport (shm, cuda-ipc, tcp, nixl)",
             ["transport"],
             registry=r,
         )
         self.dataplane_slots = Gauge(
             "expertd_dataplane_slots",
-            "Same-host data plane slots held by clients, by transport",
+            "Data plane slots held by clients, by transport (shm, cuda-ipc, tcp, nixl)",
             ["transport"],
             registry=r,
         )

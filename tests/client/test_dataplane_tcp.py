@@ -323,3 +323,25 @@ def test_a_vanished_client_frees_its_lease():
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_killed_replica_fails_over_to_the_other():
+    """Two replicas of one shard, both on tcp slots: one killed between calls, the
+    next calls are answered by the other with the same bits."""
+    replicas = [start_shard([*SERVE, "--num-shards", "1", "--shard", "0"]) for _ in range(2)]
+    try:
+        wait_serving(replicas, timeout=300)
+        addresses = [r.address for r in replicas]
+        x, ids, w = case(5, 11)
+        with ExpertClient(addresses, transport="tcp", timeout=20) as client:
+            want = client.forward(0, x, ids, w)
+            assert {s["transport"] for s in client.stats().values()} == {"tcp"}
+            for _ in range(4):  # both replicas hold slots now (calls alternate)
+                assert torch.equal(bits(client.forward(0, x, ids, w)), bits(want))
+            replicas[0].process.kill()
+            replicas[0].process.wait(30)
+            for _ in range(6):
+                assert torch.equal(bits(client.forward(0, x, ids, w)), bits(want))
+            assert client.stats()[addresses[1]]["calls"] > 0
+    finally:
+        stop_shards(replicas)
