@@ -213,7 +213,9 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
         out_bits.fill(0)
         return out
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
-        if m * h <= SMALL_SUM_ELEMENTS:
+        if len(answers) == 1 and answers[0][0].size == m and m * h > SMALL_SUM_ELEMENTS:
+            _one_answer(out_bits, answers[0][1])  # one shard: 0 + its answer
+        elif m * h <= SMALL_SUM_ELEMENTS:
             _sum_small(out_bits, answers)
         else:
             _sum(out, out_bits, answers)
@@ -273,6 +275,18 @@ def _sum_small(out_bits: np.ndarray, answers: list) -> None:
     r >>= 16
     np.copyto(out_bits, r, casting="unsafe")
     nan = acc != acc
+    if nan.any():
+        out_bits[nan] = 0x7FC0
+
+
+def _one_answer(out_bits: np.ndarray, bits: np.ndarray) -> None:
+    """The sum of one answer holding every row: 0.0f + x rounded back to bf16 is x
+    itself but for -0 (+0) and NaN (0x7FC0, as torch rounds it), so a copy and those
+    two fixes: a third of the float32 round trip's time at M = 4096, H = 512."""
+    np.copyto(out_bits, bits)
+    if out_bits.view(np.int16).min() == -0x8000:  # bf16 -0 is int16's least value
+        out_bits[out_bits == 0x8000] = 0
+    nan = (out_bits & 0x7FFF) > 0x7F80
     if nan.any():
         out_bits[nan] = 0x7FC0
 

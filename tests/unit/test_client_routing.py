@@ -4,6 +4,7 @@ is sent; unowned experts are reported."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,3 +114,23 @@ def test_redundant_experts_are_balanced():
     owner = assign_owners(candidates, ids)
     per_shard = [sum(int((ids == x).sum()) for x in range(4) if owner[x] == s) for s in (0, 1)]
     assert per_shard == [4, 4]
+
+
+def test_large_calls_split_as_the_plain_python_path_does():
+    """split_routes' one-pass grouping on calls far larger than the property cases
+    (up to 8 shards, some experts on several shards or none, padded routes, one
+    shard holding everything): the same parts as the plain-Python split."""
+    gen = np.random.default_rng(5)
+    for trial in range(60):
+        s = int(gen.integers(1, 9))
+        e = int(gen.integers(8, 65))
+        m = int(gen.integers(1, 700))
+        k = int(gen.integers(1, 9))
+        cand = gen.random((s, e)) < (1.0 if trial % 5 == 0 else 1.5 / s)
+        candidates = torch.from_numpy(np.concatenate((cand, np.zeros((s, 1), bool)), axis=1))
+        ids = torch.from_numpy(gen.integers(-1, e, size=(m, k)).astype(np.int32))
+        weights = torch.from_numpy(gen.random((m, k)).astype(np.float32))
+        owner = assign_owners(candidates, ids, trial)
+        want, lost = routing._split_small(owner.tolist(), ids.tolist(), weights.tolist())
+        same_parts(split_routes(owner, ids, weights), want)
+        assert missing_experts(owner, ids) == lost
