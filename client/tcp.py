@@ -114,6 +114,8 @@ class TcpSlot:
     def _pump(self) -> bool:
         """Read what has arrived of the answer (non-blocking) -> True once it is whole.
         The lease ends (StreamCallError raised) at EOF, an error or a malformed answer."""
+        if not self.pending:  # read whole already (or nothing sent): read no further
+            return self._answer is not None
         sock = self.sock
         try:
             while True:
