@@ -129,6 +129,7 @@ class AsyncExpertClient:
         self._slots_on = self._shm or self._cuda_ipc or self._nixl or self._tcp
         self._nixl_agent: nixl_client.ClientAgent | None = None
         self._nixl_why = ""
+        self._leasing: dict[str, asyncio.Future] = {}  # address -> a lease being made
         if transport in ("cuda-ipc", "shm") and not dp.available():
             raise ValueError(f"transport {transport!r} needs Linux (memfd, futex, fd passing)")
         if not addresses:
@@ -211,8 +212,22 @@ class AsyncExpertClient:
             if ep.dataplane_for == instance:
                 return None
         if ch is not None or ep.dataplane_for == instance:
+            leasing = self._leasing.get(ep.address)
+            if ch is None and leasing is not None:  # another call is leasing: its outcome
+                await asyncio.shield(leasing)
+                return ep.dataplane
             return ch
         ep.dataplane_for = instance
+        leasing = self._leasing[ep.address] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._choose_dataplane(ep, instance, timeout)
+        finally:
+            del self._leasing[ep.address]
+            leasing.set_result(None)
+
+    async def _choose_dataplane(self, ep: Endpoint, instance: str, timeout: float):
+        """Lease slots of the first transport this replica offers and this client may
+        use -> the channel, or None (ep.dataplane_why says why not)."""
         offered = ep.info.dataplanes
         whys = []
         if self._cuda_ipc:

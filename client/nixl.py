@@ -306,7 +306,7 @@ class NixlChannel(SlotPool):
         lay = self.layout
         owner = self.owner
         lease = NixlLease(owner, self.instance_id)
-        bufs = [np.zeros(lay.byte_size, np.uint8) for _ in range(slots)]
+        bufs = [dp.host_buffer(lay.byte_size) for _ in range(slots)]
         for i, buf in enumerate(bufs):
             lease.slots.append(NixlSlot(lease, i, lay, buf))
         try:

@@ -49,7 +49,7 @@ class TcpSlot:
         self.index = index
         self.sock = sock
         self.layout = layout
-        self.buf = np.empty(layout.byte_size, np.uint8)
+        self.buf = dp.host_buffer(layout.byte_size)
         h, k, mmax = layout.hidden, layout.top_k, layout.max_tokens
         self.x = self.buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.uint16)
         self.ids = self.buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)

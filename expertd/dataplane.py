@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import mmap
 import os
 import platform
 import socket
@@ -302,3 +303,17 @@ def pack_u32(value: int) -> bytes:
 
 def unpack_u32(data: bytes) -> int:
     return struct.unpack("<I", data[:4])[0]
+
+
+def host_buffer(nbytes: int):
+    """uint8 [nbytes] of private anonymous memory for a slot that lives in this process
+    (tcp, nixl): pages appear only where written, 4 KiB at a time. (numpy asks for
+    transparent huge pages on arrays of 4 MiB or more, so the first byte written to
+    each region of a slot would bring in 2 MiB: a slot of a few rows then held ~8 MiB
+    on each end.)"""
+    import numpy as np
+
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mm, np.uint8)[:nbytes]

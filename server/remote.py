@@ -49,7 +49,7 @@ class RemoteSlot:
         self.lease = lease
         self.index = index
         self.layout = layout
-        self.buf = np.zeros(layout.byte_size, np.uint8)  # pages appear once written
+        self.buf = dp.host_buffer(layout.byte_size)  # pages appear once written
         self.addr = self.buf.ctypes.data
         self.peer_addr = peer_region.address
         self.peer_device = peer_region.device_id

@@ -63,7 +63,7 @@ class TcpSlot:
         self.index = index
         self.conn = conn
         self.layout = layout
-        self.buf = np.empty(layout.byte_size, np.uint8)  # pages appear once written
+        self.buf = dp.host_buffer(layout.byte_size)  # pages appear once written
         mmax, k, h = layout.max_tokens, layout.top_k, layout.hidden
         self._x = self.buf[layout.x_offset : layout.x_offset + 2 * mmax * h]
         self._ids = self.buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k]

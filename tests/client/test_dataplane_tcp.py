@@ -136,6 +136,23 @@ def test_async_callers_share_the_slots_and_get_their_own_answers(shards8):
     assert {s["transport"] for s in stats.values()} == {"tcp"}
 
 
+def test_concurrent_first_calls_wait_for_one_lease(shards8):
+    """Calls made at once on a fresh client with a forced transport: one of them
+    leases each replica's slots and the others wait for that lease (they used to
+    find the choice under way and fail with "no data plane slots")."""
+    addresses = [s.address for s in shards8]
+    x, ids, w = case(6, 21)
+
+    async def run():
+        async with AsyncExpertClient(addresses, transport="tcp") as client:
+            outs = await asyncio.gather(*(client.forward(0, x, ids, w) for _ in range(6)))
+            return outs, client.stats()
+
+    outs, stats = asyncio.run(run())
+    assert all(o.shape == (6, 512) for o in outs)
+    assert {s["transport"] for s in stats.values()} == {"tcp"}
+
+
 def test_a_bad_call_gets_forwards_error_and_the_shard_keeps_serving(one_shard):
     """Calls the client would refuse, sent through a slot as they are: the shard's
     checks answer with Forward's codes and messages on the connection."""
