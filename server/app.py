@@ -237,7 +237,13 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         and not config.listen.startswith("unix")
     ):
         host = config.listen.rpartition(":")[0].strip("[]")
-        running.tcp_port = servicer.open_tcp(host, config.tcp_data_port, config.receive_timeout_s)
+        try:
+            running.tcp_port = servicer.open_tcp(
+                host, config.tcp_data_port, config.receive_timeout_s
+            )
+        except OSError:  # its port is taken: say so and stop, as for the gRPC port
+            await server.stop(None)
+            raise
     running.inference = inference
     where = metrics_address(config)
     if where is not None:

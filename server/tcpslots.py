@@ -177,7 +177,11 @@ class TcpRegistry:
         family, _, _, _, where = infos[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(where)
+        try:
+            self._sock.bind(where)
+        except OSError as e:
+            self._sock.close()
+            raise OSError(f"tcp data plane: could not bind port {port} on {host!r}: {e}") from None
         self._sock.listen(256)
         self.port = self._sock.getsockname()[1]
         self._accepter = threading.Thread(

@@ -68,6 +68,8 @@ def test_help_and_version_import_no_torch(argv):
         (["serve", "--synthetic", "small", "--log-level", "LOUD"], {}),
         (["serve", "--synthetic", "small", "--metrics-port", "99999"], {}),
         (["serve", "--synthetic", "small", "--health-listen", "bogus"], {}),
+        (["serve", "--synthetic", "small", "--tcp-data-port", "70000"], {}),
+        (["serve", "--synthetic", "small"], {"EXPERTD_TCP_DATA_PORT": "any"}),
         (["serve", "--synthetic", "small", "--max-tokens", "-5"], {}),
         (["serve", "--synthetic", "small", "--grace", "-1"], {}),
         (["serve", "--synthetic", "small"], {"EXPERTD_MAX_TOKENS": "abc"}),
@@ -85,6 +87,23 @@ def test_bad_values_are_one_line_and_exit_2(argv, env):
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"expertd {argv[0]}: error: "), done.stderr
     assert done.stdout == ""
+
+
+def test_a_taken_tcp_data_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = expertd_cmd(
+            *("serve", "--synthetic", "small", "--layers", "1", "--device", "cpu"),
+            *("--listen", "127.0.0.1:0", "--tcp-data-port", str(port)),
+            timeout=120,
+        )
+    assert done.returncode == 1, problems(done)
+    assert done.stderr == (
+        f"expertd serve: tcp data plane: could not bind port {port} on '127.0.0.1': "
+        "[Errno 98] Address already in use\n"
+    ), done.stderr
 
 
 def free_port() -> int:
