@@ -189,7 +189,7 @@ def test_dockerfile_image_and_entrypoint(monkeypatch):
     args = parse_serve(monkeypatch, env, entry[1:] + cmd)
     assert args.command == "serve" and args.listen == "0.0.0.0:50051"
     exposed = set(" ".join(df["EXPOSE"]).split())
-    assert {"50051", "9400"} <= exposed
+    assert {"50051", "9400", str(args.tcp_data_port)} <= exposed
     health = json.loads(df["HEALTHCHECK"][-1].split(" CMD ", 1)[1])
     assert health[0] == "expertd" and parse_serve(monkeypatch, env, health[1:]).command == "health"
     assert "--start-period=900s" in df["HEALTHCHECK"][-1]
@@ -479,7 +479,12 @@ def test_pods_probes_ports_and_resources(variant, monkeypatch):
         assert bool(args.checkpoint) != bool(args.synthetic), "exactly one weight source"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         health = _port(args.health_listen)
-        assert ports == {"grpc": _port(args.listen), "health": health, "metrics": args.metrics_port}
+        assert ports == {
+            "grpc": _port(args.listen),
+            "health": health,
+            "metrics": args.metrics_port,
+            "data": args.tcp_data_port,
+        }
         assert health != _port(args.listen)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": health}, f"{probe} asks the plaintext health port"
