@@ -311,15 +311,9 @@ class RemoteRegistry:
                 self.progress.notify(peer, answer)
             return
         received = time.perf_counter_ns()
-        try:
-            self._take(slot, layer, m, k, timeout_us, rid, received)
-        except RequestError as e:
-            self.servicer.count_slot(e.code)
-            slot.write_error(e.code, e.message)
-        except Exception:
-            log.exception("nixl slot call failed (lease %s)", lease.lease_id)
-            self.servicer.count_slot(grpc.StatusCode.INTERNAL)
-            slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+        self.servicer.take_slot_call(
+            slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received
+        )
 
     def _take(self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received) -> None:
         lay = slot.layout

@@ -213,6 +213,19 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     # -- calls arriving through a shared-memory slot (server/slots.py) -----------------
 
+    def take_slot_call(self, slot, lease_id: str, take, *args) -> None:
+        """Run `take(*args)` (read, check and start a slot's call, any transport); a
+        refusal or a failure in it is written into the slot as the call's answer."""
+        try:
+            take(*args)
+        except RequestError as e:
+            self.count_slot(e.code)
+            slot.write_error(e.code, e.message)
+        except Exception:
+            log.exception("slot call failed (lease %s)", lease_id)
+            self.count_slot(grpc.StatusCode.INTERNAL)
+            slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+
     def run_slot_call(self, slot, bank, layer, x, ids, w, timeout_us, request_id, received):
         """A call read from a slot of any transport (its thread): checked as Forward
         is, then run on that thread when the batcher is idle (answered when this

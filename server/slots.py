@@ -437,15 +437,7 @@ class SlotRegistry:
                 slot.busy = True
                 slot.seq = last
                 slot.answered.clear()
-            try:
-                self._take(slot, received)
-            except RequestError as e:
-                self.servicer.count_slot(e.code)
-                slot.write_error(e.code, e.message)
-            except Exception:
-                log.exception("slot call failed (lease %s)", lease.lease_id)
-                self.servicer.count_slot(grpc.StatusCode.INTERNAL)
-                slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+            self.servicer.take_slot_call(slot, lease.lease_id, self._take, slot, received)
 
     def _take(self, slot: Slot, received: int) -> None:
         """Read and check the rung call, then queue it (on the event loop)."""

@@ -34,7 +34,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import rawtcp
-from expertd.server.validate import RequestError, invalid
+from expertd.server.validate import invalid
 
 log = logging.getLogger("expertd.server")
 
@@ -332,15 +332,9 @@ class TcpRegistry:
                 rawtcp.recv_into(conn, x_view[: 2 * m * h])
                 rawtcp.recv_into(conn, ids_view[: 4 * m * k])
                 rawtcp.recv_into(conn, w_view[: 4 * m * k])
-            try:
-                self._take(slot, layer, m, k, timeout_us, rid, received)
-            except RequestError as e:
-                self.servicer.count_slot(e.code)
-                slot.write_error(e.code, e.message)
-            except Exception:
-                log.exception("tcp slot call failed (lease %s)", lease.lease_id)
-                self.servicer.count_slot(grpc.StatusCode.INTERNAL)
-                slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
+            self.servicer.take_slot_call(
+                slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received
+            )
             while not slot.ready.wait(IDLE_SLICE_S):
                 if lease.closed:
                     return
