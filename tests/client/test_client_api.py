@@ -207,7 +207,9 @@ def test_clients_share_one_loop_and_close_alone(addresses, full_layers, caplog):
         del a, b
         gc.collect()
     assert relative_error(out, reference_forward(full_layers[0], x, ids, w)) <= 1e-2
-    assert [r.getMessage() for r in caplog.records] == []
+    # (other loggers' INFO lines, such as an in-process server returning freed memory,
+    # may land here too: only errors count)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_asyncio_many_in_flight(addresses, full_layers):
