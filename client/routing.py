@@ -126,7 +126,12 @@ class ShardPart:
     tokens: torch.Tensor  # int64 [Ms]: rows of the call that go to this shard
     topk_ids: torch.Tensor  # int32 [Ms, Ks]: this shard's routes, -1 padded
     topk_weights: torch.Tensor  # float32 [Ms, Ks]
-    experts: list[int]  # distinct experts of this part (for error messages)
+
+    @property
+    def experts(self) -> list[int]:
+        """The part's distinct experts, ascending (for error messages)."""
+        ids = self.topk_ids.numpy().reshape(-1)
+        return np.flatnonzero(np.bincount(ids[ids >= 0])).tolist()
 
 
 def split_routes(
@@ -197,7 +202,6 @@ def split_routes(
                 torch.from_numpy(token[a:b][new_row[a:b]].astype(np.int64)),
                 torch.from_numpy(ids),
                 torch.from_numpy(weights),
-                np.flatnonzero(np.bincount(ids_sorted[a:b])).tolist(),  # sorted, distinct
             )
         )
     return parts
@@ -218,14 +222,19 @@ class RouteTable:
     candidates: torch.Tensor  # bool [S, E + 1]
     fixed: torch.Tensor | None = field(init=False)  # int64 [E + 1], or None: balance per call
     _fixed_list: list[int] | None = field(init=False)
+    _sole: int | None = field(init=False)  # the shard that owns every expert, if one does
 
     def __post_init__(self) -> None:
+        self._sole = None
         if int(self.candidates.numpy().sum(axis=0).max(initial=0)) > 1:
             self.fixed, self._fixed_list = None, None
         else:
             none = torch.zeros((0, 1), dtype=torch.int32)
             self.fixed = assign_owners(self.candidates, none)
             self._fixed_list = self.fixed.tolist()
+            owners = set(self._fixed_list[:-1])
+            if len(owners) == 1 and min(owners) >= 0:  # one shard owns every expert
+                self._sole = owners.pop()
 
     def route(
         self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, turn: int = 0
@@ -233,6 +242,12 @@ class RouteTable:
         """-> (one part per shard with routes, experts no shard owns): the same parts as
         split_routes and the same list as missing_experts, for host int32 ids and float32
         weights."""
+        if self._sole is not None and topk_ids.numel() > SMALL_ROUTES:
+            ids = topk_ids.numpy()
+            if ids.min() >= 0:  # no padded route: the one part is the call as it is
+                m = ids.shape[0]
+                tokens = torch.from_numpy(np.arange(m, dtype=np.int64))
+                return [ShardPart(self._sole, tokens, topk_ids, topk_weights)], []
         owner = self.fixed
         if owner is None:
             owner = assign_owners(self.candidates, topk_ids, turn)
@@ -271,9 +286,7 @@ def _split_small(own: list[int], ids: list, weights: list) -> tuple[list[ShardPa
     for s in sorted(per):
         tokens, id_rows, w_rows = per[s]
         width = max(map(len, id_rows))
-        experts = set()
         for i_list, w_list in zip(id_rows, w_rows, strict=True):
-            experts.update(i_list)
             if len(i_list) < width:
                 pad = width - len(i_list)
                 i_list.extend([-1] * pad)
@@ -284,7 +297,6 @@ def _split_small(own: list[int], ids: list, weights: list) -> tuple[list[ShardPa
                 torch.from_numpy(np.array(tokens, np.int64)),
                 torch.from_numpy(np.array(id_rows, np.int32)),
                 torch.from_numpy(np.array(w_rows, np.float32)),
-                sorted(experts),
             )
         )
     return parts, sorted(lost)

@@ -205,7 +205,7 @@ def test_forward_request_rows_are_torchs(m, h):
     x = torch.from_numpy(np.random.default_rng(m).standard_normal((m, h), dtype=np.float32))
     inputs = Inputs(x.to(torch.bfloat16), torch.zeros((m, 1), dtype=torch.int32), x, x.device)
     for tokens in (torch.arange(m), torch.arange(0, m, 3), torch.arange(0)):
-        part = ShardPart(0, tokens, torch.zeros((1, 1), dtype=torch.int32), torch.ones(1, 1), [0])
+        part = ShardPart(0, tokens, torch.zeros((1, 1), dtype=torch.int32), torch.ones(1, 1))
         rows = forward_request(0, inputs, part).hidden_states
         assert rows.dtype == torch.bfloat16 and rows.shape == (tokens.numel(), h)
         assert torch.equal(rows.view(torch.int16), inputs.x[tokens].view(torch.int16))
@@ -227,7 +227,7 @@ PROBE = textwrap.dedent(
     pieces = make_pieces(m, h, 8, seed=0)
     inputs = inputs_for(m, h)
     parts = [
-        ShardPart(p.shard, p.tokens, torch.zeros((1, 1), dtype=torch.int32), inputs.weights, [])
+        ShardPart(p.shard, p.tokens, torch.zeros((1, 1), dtype=torch.int32), inputs.weights)
         for p in pieces
     ]
     before = threads()

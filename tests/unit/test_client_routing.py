@@ -134,3 +134,26 @@ def test_large_calls_split_as_the_plain_python_path_does():
         want, lost = routing._split_small(owner.tolist(), ids.tolist(), weights.tolist())
         same_parts(split_routes(owner, ids, weights), want)
         assert missing_experts(owner, ids) == lost
+
+
+def test_one_shard_owning_every_expert_gets_the_call_as_it_is():
+    """With one shard owning every expert and no padded route, route hands over the
+    caller's ids and weights unchanged (no split); with a padded route it splits. The
+    parts are the plain-Python split's either way."""
+    gen = np.random.default_rng(11)
+    e, k = 32, 8
+    candidates = torch.zeros((3, e + 1), dtype=torch.bool)
+    candidates[1, :e] = True  # shard 1 of 3 owns everything
+    table = RouteTable(candidates)
+    for m, padded in ((300, False), (300, True), (17, False)):
+        ids = torch.from_numpy(gen.integers(0, e, size=(m, k)).astype(np.int32))
+        if padded:
+            ids[5, 3] = -1
+        weights = torch.from_numpy(gen.random((m, k)).astype(np.float32))
+        parts, lost = table.route(ids, weights)
+        want, want_lost = routing._split_small(table.fixed.tolist(), ids.tolist(), weights.tolist())
+        same_parts(parts, want)
+        assert lost == want_lost == []
+        assert parts[0].shard == 1
+        if m * k > routing.SMALL_ROUTES and not padded:
+            assert parts[0].topk_ids is ids and parts[0].topk_weights is weights
