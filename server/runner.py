@@ -49,7 +49,7 @@ from expertd.server.graphs import (
     Layout,
     capturable,
     forward_checked,
-    nonfinite_rows,
+    host_nonfinite_rows,
 )
 from expertd.server.staging import HostStaging, Result, SlotPool
 
@@ -383,7 +383,7 @@ class BatchRunner:
                 out = torch.zeros((0, self.hidden), dtype=torch.bfloat16)
             else:
                 out = self.bank.backend.forward(state, x, i, w)
-            return Result.of(out, nonfinite_rows(x, w, output=out))
+            return Result.of(out, host_nonfinite_rows(x, w, out))
         with torch.cuda.device(self.device):
             flight._slot.downloaded.synchronize()
         return flight.staging.result(flight.layout, flight.m)
