@@ -225,10 +225,14 @@ def combine(inputs: Inputs, hidden_size: int, pieces: list[Piece]) -> torch.Tens
     if not answers or m * h == 0:
         out_bits.fill(0)
         return out
+    if len(answers) == 1 and answers[0][0].size == m:  # one answer with every row: 0 + it
+        if m * h > SMALL_SUM_ELEMENTS:
+            _one_answer(out_bits, answers[0][1])
+        else:  # one table look-up (M = 1, one shard)
+            np.take(_ZERO_PLUS, answers[0][1], out=out_bits)
+        return out
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN sum as in torch
-        if len(answers) == 1 and answers[0][0].size == m and m * h > SMALL_SUM_ELEMENTS:
-            _one_answer(out_bits, answers[0][1])  # one shard: 0 + its answer
-        elif m * h <= SMALL_SUM_ELEMENTS:
+        if m * h <= SMALL_SUM_ELEMENTS:
             _sum_small(out_bits, answers)
         else:
             _sum(out, out_bits, answers)
@@ -257,9 +261,6 @@ def _sum_small(out_bits: np.ndarray, answers: list) -> None:
     additions, so 0 + -0 = +0 as there), then rounded to bf16 as torch rounds: to nearest
     even, NaN as 0x7FC0."""
     m, h = out_bits.shape
-    if len(answers) == 1 and answers[0][0].size == m:  # one answer with every row (M = 1,
-        np.take(_ZERO_PLUS, answers[0][1], out=out_bits)  # one shard): one table look-up
-        return
     if all(rows.size == m for rows, _ in answers):  # every answer holds every row
         staged = np.stack([bits for _, bits in answers]).astype(np.uint32)
         np.left_shift(staged, 16, out=staged)
