@@ -37,15 +37,18 @@ def _pump(stream, sink: list[str]) -> None:
         del sink[:-200]  # keep the tail only
 
 
-def start_shard(serve_args: list[str], env: dict[str, str] | None = None) -> ShardProcess:
+def start_shard(
+    serve_args: list[str], env: dict[str, str] | None = None, prefix: list[str] | None = None
+) -> ShardProcess:
     """Start `expertd serve <serve_args>` and return once it printed its address.
 
     Without --listen (in the args or EXPERTD_LISTEN) the child takes a free loopback port,
-    not serve's fixed default, so shards started side by side never collide."""
+    not serve's fixed default, so shards started side by side never collide. `prefix`
+    goes before the command (e.g. `ip netns exec NAME`: a program that runs the rest)."""
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     named = env.get("EXPERTD_LISTEN") or any(a.split("=")[0] == "--listen" for a in serve_args)
     free_port = [] if named else ["--listen", "127.0.0.1:0"]
-    cmd = [sys.executable, "-m", "expertd", "serve", *serve_args, *free_port]
+    cmd = [*(prefix or []), sys.executable, "-m", "expertd", "serve", *serve_args, *free_port]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     shard = ShardProcess(serve_args, proc)
     threading.Thread(target=_pump, args=(proc.stderr, shard.log), daemon=True).start()
