@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertd.cli import build_parser, env_variables
 from expertd.launcher import health_status, start_shard, stop_shards, wait_serving
@@ -572,7 +573,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A one-day certificate for localhost and 127.0.0.1 and its key, as a kubernetes.io/tls
+    Secret names them -> (tls.crt, tls.key)."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+         "-keyout", "tls.key", "-out", "tls.crt"],
+        cwd=folder, check=True, capture_output=True,
+    )  # fmt: skip
+    return folder / "tls.crt", folder / "tls.key"
+
+
+@needs_openssl
 def test_rendered_tls_environment_serves_probes_in_plaintext(generated, tmp_path, monkeypatch):
     """The environment of a rendered TLS pod, run as a real server (the Secret's files at a
     local path, free local ports): the probe's port answers SERVING in plaintext, compose's
@@ -580,12 +596,7 @@ def test_rendered_tls_environment_serves_probes_in_plaintext(generated, tmp_path
     docs = render(generated["3x1-tls"])
     sts = _of(docs, "StatefulSet")[1]
     env = k8s_env(_container(sts))
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", "tls.key", "-out", "tls.crt"],
-        cwd=tmp_path, check=True, capture_output=True,
-    )  # fmt: skip
+    self_signed(tmp_path)
     local = {
         "EXPERTD_TLS_CERT": str(tmp_path / "tls.crt"),
         "EXPERTD_TLS_KEY": str(tmp_path / "tls.key"),
@@ -614,6 +625,78 @@ def test_rendered_tls_environment_serves_probes_in_plaintext(generated, tmp_path
             grpc.channel_ready_future(channel).result(timeout=30)
     finally:
         assert stop_shards([shard], timeout=30) == [0]
+
+
+def _on_free_ports(env: dict[str, str]) -> dict[str, str]:
+    """The image's environment with every listening address (EXPERTD_*_LISTEN) and port
+    (EXPERTD_*_PORT) moved to a free local port, hosts kept: a container has a network of its
+    own, this test shares the machine's with other jobs."""
+    out = dict(env)
+    for name, value in env.items():
+        if name.endswith("_LISTEN"):
+            out[name] = f"{value.rpartition(':')[0]}:{free_port()}"
+        elif name.endswith("_PORT") and value.isdigit() and int(value) > 0:
+            out[name] = str(free_port())
+    return out
+
+
+def tls_health(address: str, cert: Path) -> int | None:
+    """grpc.health.v1 over TLS (trusting cert) -> the status, or None: no answer."""
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(cert.read_bytes())) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+    return reply.status
+
+
+@needs_openssl
+def test_image_healthcheck_passes_with_tls_on(tmp_path, monkeypatch):
+    """The image as an operator runs it with TLS on: its ENV (parsed from the Dockerfile) plus
+    only the TLS variables, `expertd serve` from its ENTRYPOINT on CPU, then its HEALTHCHECK
+    command, unchanged and with the same environment, exits 0 once the server serves; the
+    health port it probes is a port of its own (not gRPC's, the data plane's or the metrics')
+    that the image exposes."""
+    df = dockerfile()
+    image = image_env()
+    cert, key = self_signed(tmp_path)
+    env = {
+        **_on_free_ports(image),
+        "EXPERTD_TLS_CERT": str(cert),
+        "EXPERTD_TLS_KEY": str(key),
+        "EXPERTD_DRAIN_DELAY_S": "0",  # a quick stop; not what the probe looks at
+    }
+    for name in [n for n in list(os.environ) if n.startswith("EXPERTD_")]:
+        monkeypatch.delenv(name)
+    entry = json.loads(df["ENTRYPOINT"][-1]) + json.loads(df["CMD"][-1])
+    assert entry[:2] == ["expertd", "serve"], entry
+    flags = ["--synthetic", "small", "--layers", "1", "--device", "cpu", "--torch-threads", "1"]
+    shard = start_shard([*entry[2:], *flags], env=env)
+    try:
+        main = f"127.0.0.1:{_port(shard.address)}"
+        deadline = time.monotonic() + 120
+        while tls_health(main, cert) != health_pb2.HealthCheckResponse.SERVING:
+            assert shard.alive(), "\n".join(shard.log[-20:])
+            assert time.monotonic() < deadline, "not SERVING over TLS within 120 s"
+            time.sleep(0.5)
+        assert health_status(main) is None, "the serving port speaks TLS only"
+        check = json.loads(df["HEALTHCHECK"][-1].split(" CMD ", 1)[1])
+        assert check[0] == "expertd", check
+        probe = subprocess.run(
+            [sys.executable, "-m", "expertd", *check[1:]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        assert probe.returncode == 0, f"HEALTHCHECK {check}: {probe.stdout}{probe.stderr}"
+        assert probe.stdout.strip().endswith(": SERVING"), probe.stdout
+    finally:
+        assert stop_shards([shard], timeout=30) == [0], "\n".join(shard.log[-20:])
+    health = _port(image["EXPERTD_HEALTH_LISTEN"])
+    others = {_port(image["EXPERTD_LISTEN"]), int(image["EXPERTD_TCP_DATA_PORT"])}
+    assert health not in others | {int(image["EXPERTD_METRICS_PORT"])}
+    assert str(health) in " ".join(df["EXPOSE"]).split()
 
 
 # ---- KServe ------------------------------------------------------------------------------
