@@ -311,8 +311,11 @@ class AsyncExpertClient:
             slot = ch.acquire()
         return slot  # None: every slot busy; this call goes over gRPC
 
-    async def _forward_slot(self, ep: Endpoint, slot, layer: int, inputs, part, timeout, md):
-        """One attempt through a slot -> Piece (the slot stays held until the sum)."""
+    async def _forward_slot(
+        self, ep: Endpoint, slot, layer: int, inputs, part, timeout, md, traceparent=""
+    ):
+        """One attempt through a slot -> Piece (the slot stays held until the sum).
+        traceparent: the attempt's span, carried in the slot's call header."""
         loop = asyncio.get_running_loop()
         lease = slot.lease
         if lease.closed:
@@ -327,6 +330,7 @@ class AsyncExpertClient:
             part.topk_weights.numpy(),
             timeout,
             notify=True,
+            trace=tracing.context_fields(traceparent),
         )
         if isinstance(slot, TcpSlot):  # its connection is read on this loop
             await slot.wait_async(timeout)
@@ -713,7 +717,10 @@ class AsyncExpertClient:
                     if budget <= 0:
                         raise StreamCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
                 if slot is not None:
-                    piece = await self._forward_slot(ep, slot, layer, inputs, part, budget, md)
+                    parent = tracing.traceparent(span) if span is not None else ""
+                    piece = await self._forward_slot(
+                        ep, slot, layer, inputs, part, budget, md, parent
+                    )
                     ep.calls += 1
                     self.telemetry.answered(time.perf_counter_ns() - sent, piece.timing)
                     if span is not None:

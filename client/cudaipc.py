@@ -22,7 +22,7 @@ import torch
 
 from expertd import cudamem
 from expertd import dataplane as dp
-from expertd.client.shm import LeaseError, ShmChannel, Slot
+from expertd.client.shm import NO_TRACE, LeaseError, ShmChannel, Slot, write_trace
 from expertd.cudamem import ImportedBuffer, available
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -81,6 +81,7 @@ class CudaIpcSlot(Slot):
         timeout: float,
         notify: bool,
         ring: bool = True,
+        trace=NO_TRACE,
     ):
         """Gather one call's rows into the slot (on the side stream), write its routes
         and header; ring (or leave that to `ring()`). x: the caller's bf16 [M, H] on any
@@ -113,6 +114,7 @@ class CudaIpcSlot(Slot):
         ctl.k = k
         ctl.flags = dp.FLAG_NOTIFY if notify else 0
         ctl.timeout_us = max(int(timeout * 1e6), 1)
+        write_trace(ctl, trace)
         self.rows = m
         if ring:
             self.ring()

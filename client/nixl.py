@@ -31,7 +31,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd import nixl
-from expertd.client.shm import LeaseError, SlotPool, fill_rows
+from expertd.client.shm import NO_TRACE, LeaseError, SlotPool, fill_rows
 from expertd.client.stream import StreamCallError
 
 log = logging.getLogger("expertd.client")
@@ -127,7 +127,9 @@ class NixlSlot:
         out of use until the shard answers it)."""
         return not self.pending
 
-    def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
+    def start(
+        self, layer, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify, trace=NO_TRACE
+    ):
         """Write one call's rows and send them with the call (see shm.Slot.start)."""
         m = fill_rows(self, x_bits, tokens, ids, w)
         k, lay, h = ids.shape[1], self.layout, self.layout.hidden
@@ -137,7 +139,8 @@ class NixlSlot:
         self.event.clear()
         self.pending = True
         lease = self.lease
-        message = nixl.pack_call(self.index, self.seq, layer, m, k, max(int(timeout * 1e6), 1), 0)
+        timeout_us = max(int(timeout * 1e6), 1)
+        message = nixl.pack_call(self.index, self.seq, layer, m, k, timeout_us, 0, trace)
         agent = lease.owner.agent
         try:
             if m:

@@ -60,6 +60,17 @@ class LeaseError(Exception):
     """The data plane could not be set up with a replica (not on this host, refused...)."""
 
 
+NO_TRACE = (0, 0, 0, 0)  # a call without the caller's span (expertd.tracing.NO_CONTEXT)
+
+
+def write_trace(ctl, trace) -> None:
+    """The caller's span (trace_hi, trace_lo, span_id, flags) into a control block;
+    span_id 0 says there is none (one store for an untraced call)."""
+    ctl.span_id = trace[2]
+    if trace[2]:
+        ctl.trace_hi, ctl.trace_lo, ctl.trace_flags = trace[0], trace[1], trace[3]
+
+
 def fill_rows(slot, x_bits: np.ndarray, tokens, ids, w) -> int:
     """Write one call's rows into a slot's regions (any slot transport: `layout`,
     `x`, `ids`, `w` views) -> m. x_bits: uint16 [M, H] (the call's rows), tokens:
@@ -129,10 +140,11 @@ class Slot:
         timeout: float,
         notify: bool,
         ring: bool = True,
+        trace=NO_TRACE,
     ):
         """Write one call's rows and header; ring (or leave that to `ring()`). x_bits:
         uint16 [M, H] (the call's rows), tokens: the rows of it to send (None: all, in
-        order), ids/w: [m, k]."""
+        order), ids/w: [m, k]; trace: the caller's span (tracing.context_fields)."""
         m = fill_rows(self, x_bits, tokens, ids, w)
         k = ids.shape[1]
         ctl = self.ctl
@@ -141,6 +153,7 @@ class Slot:
         ctl.k = k
         ctl.flags = dp.FLAG_NOTIFY if notify else 0
         ctl.timeout_us = max(int(timeout * 1e6), 1)
+        write_trace(ctl, trace)
         self.rows = m
         if ring:
             self.ring()

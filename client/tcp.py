@@ -30,7 +30,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd import rawtcp
-from expertd.client.shm import LeaseError, SlotPool, fill_rows, register_slots
+from expertd.client.shm import NO_TRACE, LeaseError, SlotPool, fill_rows, register_slots
 from expertd.client.stream import StreamCallError
 
 WAIT_SLICE_S = 0.02  # the caller's thread checks the lease's end this often
@@ -86,7 +86,9 @@ class TcpSlot:
         except StreamCallError:
             return False
 
-    def start(self, layer: int, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify: bool):
+    def start(
+        self, layer, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify, trace=NO_TRACE
+    ):
         """Write one call's rows into the slot and send the call (see shm.Slot.start)."""
         m = fill_rows(self, x_bits, tokens, ids, w)
         k, h = ids.shape[1], self.layout.hidden
@@ -95,7 +97,7 @@ class TcpSlot:
         self._answer = None
         self._got = 0
         self._body_view = None
-        head = rawtcp.CALL.pack(self.seq, layer, m, k, max(int(timeout * 1e6), 1), 0)
+        head = rawtcp.CALL.pack(self.seq, layer, m, k, max(int(timeout * 1e6), 1), 0, *trace)
         parts = [head]
         if m:
             parts += [self.x[: m * h], self.ids[: m * k], self.w[: m * k]]

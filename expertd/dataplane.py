@@ -76,6 +76,13 @@ class Control(ctypes.Structure):
         ("device_us", ctypes.c_uint64),
         ("batch_requests", ctypes.c_uint32),
         ("batch_tokens", ctypes.c_uint32),
+        # the caller's span (W3C trace context, expertd.tracing.context_fields); span_id
+        # 0: none. Written by the client with each call.
+        ("trace_hi", ctypes.c_uint64),
+        ("trace_lo", ctypes.c_uint64),
+        ("span_id", ctypes.c_uint64),
+        ("trace_flags", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint32),
     )
 
 

@@ -35,8 +35,10 @@ HOST = "DRAM"
 
 CALL = b"C"
 ANSWER = b"A"
-# CALL: slot, seq, layer, m, k (u32), timeout_us, request_id (u64)
-_CALL = struct.Struct("<5I2Q")
+# CALL: slot, seq, layer, m, k (u32), timeout_us, request_id (u64), then the caller's
+# span: trace_hi, trace_lo, span_id (u64; 0: none), trace_flags (u32)
+# (expertd.tracing.context_fields)
+_CALL = struct.Struct("<5I2Q3QI")
 # ANSWER: slot, seq (u32), status (i32), out_rows (u32), queue, compute, total, stage,
 # device (u64, us), batch_requests, batch_tokens (u32); then the error text (UTF-8)
 _ANSWER = struct.Struct("<2IiI5Q2I")
@@ -117,12 +119,16 @@ def _quiet():
         logger.setLevel(level)
 
 
-def pack_call(slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int):
-    return CALL + _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1))
+def pack_call(
+    slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int, trace=(0, 0, 0, 0)
+):
+    """trace: the caller's span as expertd.tracing.context_fields gives it."""
+    return CALL + _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1), *trace)
 
 
-def unpack_call(msg: bytes) -> tuple[int, int, int, int, int, int, int]:
-    """-> (slot, seq, layer, m, k, timeout_us, request_id); ValueError when malformed."""
+def unpack_call(msg: bytes) -> tuple:
+    """-> (slot, seq, layer, m, k, timeout_us, request_id, trace_hi, trace_lo, span_id,
+    trace_flags); ValueError when malformed."""
     if msg[:1] != CALL or len(msg) != 1 + _CALL.size:
         raise ValueError("malformed call notification")
     return _CALL.unpack_from(msg, 1)

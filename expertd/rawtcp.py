@@ -28,13 +28,14 @@ import struct
 
 TCP = "tcp"
 
-MAGIC = b"EXD1"
+MAGIC = b"EXD2"  # EXD1's call header had no trace context
 TOKEN_BYTES = 24
 HELLO = struct.Struct("<4s24sI")  # magic, token, slot index
 READY = b"R"
 REFUSED = b"X"  # + why (UTF-8, at most 200 bytes), then the connection closes
-# seq, layer, m, k, timeout_us (0: no limit), request_id
-CALL = struct.Struct("<IIIIQQ")
+# seq, layer, m, k, timeout_us (0: no limit), request_id, then the caller's span:
+# trace_hi, trace_lo, span_id (0: none), trace_flags (expertd.tracing.context_fields)
+CALL = struct.Struct("<IIIIQQQQQI4x")
 # seq, status (a grpc.StatusCode value, 0: OK), rows, error_len, then the timing of
 # expertd.v1.Timing: queue_us, compute_us, total_us, stage_us, device_us,
 # batch_requests, batch_tokens (dataplane.TIMING_FIELDS' order)

@@ -173,6 +173,34 @@ def traceparent(span) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
+# A traceparent in binary, as the slot transports carry it (shm's control block, the raw
+# TCP and NIXL call headers): trace id high and low 64 bits, span id, flags. A span id
+# of 0 (invalid in W3C) means "no parent".
+NO_CONTEXT = (0, 0, 0, 0)
+
+
+def context_fields(value: str) -> tuple[int, int, int, int]:
+    """A W3C traceparent -> (trace_hi, trace_lo, span_id, flags); NO_CONTEXT for ""
+    or anything that is not one."""
+    parts = value.split("-") if value else ()
+    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return NO_CONTEXT
+    try:
+        trace, span, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError:
+        return NO_CONTEXT
+    if not trace or not span:
+        return NO_CONTEXT
+    return trace >> 64, trace & 0xFFFFFFFFFFFFFFFF, span, flags
+
+
+def from_fields(trace_hi: int, trace_lo: int, span_id: int, flags: int) -> str:
+    """context_fields' inverse ("" for no parent)."""
+    if not span_id or not (trace_hi or trace_lo):
+        return ""
+    return f"00-{trace_hi:016x}{trace_lo:016x}-{span_id:016x}-{flags & 0xFF:02x}"
+
+
 def parent_context(value: str):
     """An OpenTelemetry Context whose parent is the remote span in a traceparent
     (None when `value` is empty or not a W3C traceparent: a root span)."""

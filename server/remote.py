@@ -289,7 +289,7 @@ class RemoteRegistry:
         if lease is None or lease.closed:
             return
         try:
-            index, seq, layer, m, k, timeout_us, rid = nixl.unpack_call(message)
+            index, seq, layer, m, k, timeout_us, rid, *trace = nixl.unpack_call(message)
         except ValueError:
             log.info("malformed notification from %s ignored", peer)
             return
@@ -312,10 +312,10 @@ class RemoteRegistry:
             return
         received = time.perf_counter_ns()
         self.servicer.take_slot_call(
-            slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received
+            slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received, trace
         )
 
-    def _take(self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received) -> None:
+    def _take(self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received, trace) -> None:
         lay = slot.layout
         bank = self.servicer.admit()
         if m > lay.max_tokens:
@@ -324,7 +324,7 @@ class RemoteRegistry:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
         x, ids, w = slot.inputs(m, k, lay.hidden)
         ids, w = ids.clone(), w.clone()  # checked values stay checked
-        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received)
+        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received, trace)
 
     def close(self) -> None:
         """End every lease (their streams end) and stop the progress thread."""

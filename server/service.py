@@ -226,13 +226,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             self.count_slot(grpc.StatusCode.INTERNAL)
             slot.write_error(grpc.StatusCode.INTERNAL, "internal error in forward")
 
-    def run_slot_call(self, slot, bank, layer, x, ids, w, timeout_us, request_id, received):
+    def run_slot_call(
+        self, slot, bank, layer, x, ids, w, timeout_us, request_id, received, trace=None
+    ):
         """A call read from a slot of any transport (its thread): checked as Forward
         is, then run on that thread when the batcher is idle (answered when this
-        returns), else queued on the event loop. RequestError for a refused call."""
+        returns), else queued on the event loop. RequestError for a refused call.
+        trace: the caller's span as the slot carried it (tracing.context_fields)."""
         args = check_forward(layer, x, ids, w, bank.info, self.limits, bank.has_layer)
         deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         job = Job(args, deadline, received, None, request_id, slot)
+        if trace is not None and tracing.active():
+            job.traceparent = tracing.from_fields(*trace)
         if self.batcher.run_direct(job):
             self.count_slot(grpc.StatusCode.OK)
             return

@@ -452,8 +452,9 @@ class SlotRegistry:
         # ids and weights are copied (m * k words): the client cannot change an id after
         # it was checked. x stays a view; its values only shape the client's own answer.
         x, ids, w = slot.inputs(m, k, lay.hidden)
+        trace = (ctl.trace_hi, ctl.trace_lo, ctl.span_id, ctl.trace_flags)
         self.servicer.run_slot_call(
-            slot, bank, layer, x, ids, w, timeout_us, ctl.request_id, received
+            slot, bank, layer, x, ids, w, timeout_us, ctl.request_id, received, trace
         )
 
     def close(self) -> None:

@@ -315,7 +315,7 @@ class TcpRegistry:
             conn.settimeout(self.receive_timeout_s)  # the rest must follow promptly
             if got < len(head):
                 rawtcp.recv_into(conn, head_view[got:])
-            seq, layer, m, k, timeout_us, rid = rawtcp.CALL.unpack(head)
+            seq, layer, m, k, timeout_us, rid, *trace = rawtcp.CALL.unpack(head)
             received = time.perf_counter_ns()
             slot.begin(seq)
             if m > lay.max_tokens or (m and not 1 <= k <= lay.top_k):
@@ -333,17 +333,27 @@ class TcpRegistry:
                 rawtcp.recv_into(conn, ids_view[: 4 * m * k])
                 rawtcp.recv_into(conn, w_view[: 4 * m * k])
             self.servicer.take_slot_call(
-                slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received
+                slot,
+                lease.lease_id,
+                self._take,
+                slot,
+                layer,
+                m,
+                k,
+                timeout_us,
+                rid,
+                received,
+                trace,
             )
             while not slot.ready.wait(IDLE_SLICE_S):
                 if lease.closed:
                     return
             slot.send_answer()
 
-    def _take(self, slot: TcpSlot, layer, m, k, timeout_us, rid, received) -> None:
+    def _take(self, slot: TcpSlot, layer, m, k, timeout_us, rid, received, trace) -> None:
         bank = self.servicer.admit()
         x, ids, w = slot.inputs(m, k, slot.layout.hidden)
-        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received)
+        self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received, trace)
 
     def _dropped(self, lease: TcpLease) -> None:
         with self._lock:

@@ -223,7 +223,7 @@ def test_hostile_connections_are_refused_and_cut_off(one_shard):
                 again.sendall(rawtcp.pack_hello(reply.token, 0))
                 assert again.recv(256)[:1] == rawtcp.REFUSED
             # 9 rows into a slot of 8: refused by name, and the connection ends
-            sock.sendall(rawtcp.CALL.pack(1, 0, 9, 8, 1_000_000, 0))
+            sock.sendall(rawtcp.CALL.pack(1, 0, 9, 8, 1_000_000, 0, 0, 0, 0, 0))
             head = bytearray(rawtcp.ANSWER.size)
             rawtcp.recv_into(sock, memoryview(head))
             seq, status, rows, error_len, *_ = rawtcp.ANSWER.unpack(head)

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertd import tracing
+from expertd import nixl, tracing
 from expertd.client import ExpertClient
 from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.app import BackgroundServer
@@ -171,11 +171,17 @@ def memory_tracing():
     provider.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "unary"])
+TRACED_TRANSPORTS = ["grpc", "unary", "shm", "tcp"]
+if nixl.load() is not None:
+    TRACED_TRANSPORTS.append("nixl")
+
+
+@pytest.mark.parametrize("transport", TRACED_TRANSPORTS)
 def test_trace_links_client_and_shard_process(tmp_path, memory_tracing, transport):
     """A shard process writing its spans to a file (--trace jsonl:PATH), the client
     in this process keeping its spans in memory: one trace id, and the shard's
-    request span is a child of the client's span for that shard call."""
+    request span is a child of the client's span for that shard call, whichever
+    way the call travelled (gRPC metadata or message, or a slot's call header)."""
     path = tmp_path / "spans.jsonl"
     args = ["--synthetic", "small", "--layers", "2", "--device", "cpu"]
     shard = start_shard([*args, "--trace", f"jsonl:{path}"])
@@ -200,11 +206,15 @@ def test_trace_links_client_and_shard_process(tmp_path, memory_tracing, transpor
         shard_call = client[by_name["expertd.client.shard"][0]]
         assert shard_call.parent.span_id == fanout.context.span_id
         assert shard_call.attributes["expertd.server_us"] > 0
+        if transport in ("shm", "tcp", "nixl"):
+            assert shard_call.attributes["expertd.transport"] == "slot"
         requests = [s for s in theirs.values() if s["name"] == "expertd.server.request"]
         assert len(requests) == 1
         request = requests[0]
         assert request["parent_span_id"] == f"{shard_call.context.span_id:016x}"
         assert request["service"] == "expertd"
+        if transport in ("shm", "tcp", "nixl"):  # it came through a slot
+            assert request["attributes"]["expertd.transport"] == "slot"
         children = {
             s["name"]: s for s in theirs.values() if s["parent_span_id"] == request["span_id"]
         }

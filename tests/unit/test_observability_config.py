@@ -171,3 +171,15 @@ def test_progress_logs_lines_elsewhere(caplog):
     assert lines[0].startswith("layer 0 [1/50 layers, ") and "s left]" in lines[0]
     assert lines[-1].startswith("layer 49 [50/50 layers, ")
     assert len(lines) == 2  # the first and the last: the rest came within every_s
+
+
+def test_trace_context_travels_as_four_numbers():
+    """The slot transports carry a traceparent as (trace_hi, trace_lo, span_id, flags):
+    the same traceparent comes back; none, or anything that is not one, is no parent."""
+    value = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    fields = tracing.context_fields(value)
+    assert fields == (0x0AF7651916CD43DD, 0x8448EB211C80319C, 0xB7AD6B7169203331, 1)
+    assert tracing.from_fields(*fields) == value
+    for bad in ("", "garbage", "00-" + "0" * 32 + "-b7ad6b7169203331-01", value[:-3] + "-zz"):
+        assert tracing.context_fields(bad) == tracing.NO_CONTEXT
+    assert tracing.from_fields(*tracing.NO_CONTEXT) == ""
