@@ -35,7 +35,8 @@ import time
 
 RANGE = ipaddress.ip_network("10.213.0.0/16")
 PREFIX = "exd-"
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
 _count = itertools.count()
 
 
@@ -100,6 +101,30 @@ def free_subnet(seed: int) -> ipaddress.IPv4Network:
         if not any(net.overlaps(t) for t in taken):
             return net
     raise NetnsUnavailable(f"no free /30 left in {RANGE}")
+
+
+def enter(name: str) -> None:
+    """Move this process into network namespace `name` as `ip netns exec` does: the
+    namespace, then a mount namespace of its own with that namespace's /sys (libraries
+    that list the network devices there, such as UCX under NIXL, would otherwise see
+    this side's). For a helper process, forked or spawned, before it starts a thread or
+    opens a socket."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} (netns {name}): {os.strerror(err)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET) == 0, "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWNS) == 0, "unshare of the mount namespace")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) == 0, "mount --make-rslave /")
+    check(libc.umount2(b"/sys", MNT_DETACH) == 0, "umount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None) == 0, "mount sysfs")
 
 
 class Far:
@@ -171,18 +196,6 @@ class Far:
     def link_up(self) -> None:
         _ip("-n", self.name, "link", "set", self.peer_if, "up")
         self.wait_link()
-
-    def enter(self) -> None:
-        """Move the calling thread into the namespace (a forked helper process, before
-        it opens sockets: threads it starts afterwards are there too)."""
-        fd = os.open(f"/run/netns/{self.name}", os.O_RDONLY)
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns into {self.name}: {os.strerror(err)}")
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         """Remove the veth pair and the namespace (stop the processes inside first: a

@@ -18,6 +18,13 @@ round trip through shared memory between two processes, with NIXL installed a NI
 echo (the call's bytes WRITten with a notification, the partial's bytes WRITten back
 with one, between two processes' agents) and (CUDA) a device-to-device copy of the
 same bytes. Prints a table last; writes JSON + PNG only with --out.
+
+--netns starts the shards in another network namespace, reached over a veth pair
+(benchmarks/netns.py: a second host on this machine, root only): the client stays
+here, so every call crosses a real network hop and no shard is on "this host"
+(shm and cuda-ipc are left out of the default transports). The TCP, gRPC and NIXL
+echo floors then cross the same veth (their far end runs in that namespace); the
+doorbell floor stays on this host, where shared memory is.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from netns import Far, NetnsUnavailable, enter
 
 from expertd import dataplane as dp
 from expertd import nixl
@@ -55,9 +63,16 @@ def pct(values: list[float], q: float) -> float:
 # -- floors ------------------------------------------------------------------------------
 
 
-def _tcp_echo_server(port_q, reply_size: int) -> None:
+def _where(far: Far | None) -> str:
+    """The echo servers' address: loopback, or the far end of the veth (--netns)."""
+    return "127.0.0.1" if far is None else far.peer_addr
+
+
+def _tcp_echo_server(port_q, reply_size: int, far: Far | None) -> None:
+    if far is not None:
+        enter(far.name)
     srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+    srv.bind((_where(far), 0))
     srv.listen(1)
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -77,13 +92,16 @@ def _tcp_echo_server(port_q, reply_size: int) -> None:
         conn.sendall(reply)
 
 
-def tcp_echo_us(request: int, reply: int, reps: int) -> list[float]:
-    """Round trips of `request` bytes out, `reply` bytes back, over loopback TCP."""
+def tcp_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> list[float]:
+    """Round trips of `request` bytes out, `reply` bytes back, over loopback TCP (over
+    the veth to `far`'s namespace with --netns)."""
     q = mp.get_context("fork").Queue()
-    proc = mp.get_context("fork").Process(target=_tcp_echo_server, args=(q, reply), daemon=True)
+    proc = mp.get_context("fork").Process(
+        target=_tcp_echo_server, args=(q, reply, far), daemon=True
+    )
     proc.start()
     port = q.get(timeout=30)
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.create_connection((_where(far), port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = request.to_bytes(8, "little") + bytes(request)
     back = bytearray(max(reply, 1))
@@ -101,7 +119,10 @@ def tcp_echo_us(request: int, reply: int, reps: int) -> list[float]:
     return times
 
 
-def _grpc_echo_server(port_q, reply_size: int) -> None:
+def _grpc_echo_server(port_q, reply_size: int, far: Far | None) -> None:
+    if far is not None:
+        enter(far.name)
+
     async def main() -> None:
         reply = bytes(reply_size)
 
@@ -116,22 +137,24 @@ def _grpc_echo_server(port_q, reply_size: int) -> None:
         server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("floor.Echo", {"Stream": handler})]
         )
-        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+        port_q.put(server.add_insecure_port(f"{_where(far)}:0"))
         await server.start()
         await server.wait_for_termination()
 
     asyncio.run(main())
 
 
-def grpc_echo_us(request: int, reply: int, reps: int) -> list[float]:
+def grpc_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> list[float]:
     """Round trips on one grpc.aio bidirectional stream (client and server grpc.aio)."""
     q = mp.get_context("fork").Queue()
-    proc = mp.get_context("fork").Process(target=_grpc_echo_server, args=(q, reply), daemon=True)
+    proc = mp.get_context("fork").Process(
+        target=_grpc_echo_server, args=(q, reply, far), daemon=True
+    )
     proc.start()
     port = q.get(timeout=30)
 
     async def run() -> list[float]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as ch:
+        async with grpc.aio.insecure_channel(f"{_where(far)}:{port}", options=OPTIONS) as ch:
             call = ch.stream_stream(
                 "/floor.Echo/Stream", request_serializer=bytes, response_deserializer=bytes
             )()
@@ -196,10 +219,12 @@ def doorbell_us(reps: int, spin_s: float) -> list[float]:
     return times
 
 
-def _nixl_peer(md_q, back_q, nbytes: int, reply: int) -> None:
+def _nixl_peer(md_q, back_q, nbytes: int, reply: int, netns: str | None) -> None:
     """The echo's far end: on each notification, WRITE `reply` bytes back with one."""
     import numpy as np
 
+    if netns is not None:
+        enter(netns)
     agent = nixl.make_agent("echo")
     buf = np.zeros(max(nbytes, reply, 1), np.uint8)
     agent.register_memory([(buf.ctypes.data, buf.size, 0, "")], nixl.HOST)
@@ -223,14 +248,15 @@ def _nixl_peer(md_q, back_q, nbytes: int, reply: int) -> None:
                     agent.send_notif(peer, b"r")
 
 
-def nixl_echo_us(request: int, reply: int, reps: int) -> list[float]:
+def nixl_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> list[float]:
     """NIXL WRITE of `request` bytes with a notification, answered by a WRITE of
     `reply` bytes with one (two processes, host memory, busy polling on both ends)."""
     import numpy as np
 
     ctx = mp.get_context("spawn")
     md_q, back_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_nixl_peer, args=(md_q, back_q, request, reply), daemon=True)
+    netns = None if far is None else far.name
+    proc = ctx.Process(target=_nixl_peer, args=(md_q, back_q, request, reply, netns), daemon=True)
     proc.start()
     agent = nixl.make_agent("bench")
     buf = np.ones(max(request, reply, 1), np.uint8)
@@ -358,7 +384,27 @@ def main() -> int:
     ap.add_argument("--shards", default="1,8")
     ap.add_argument("--transports", default=None, help="default: grpc,shm (+cuda-ipc on CUDA)")
     ap.add_argument("--kind", default="nvidia-h200" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="shards (and the echo floors' far ends) in another network namespace, over a veth",
+    )
     args = ap.parse_args()
+    far = None
+    if args.netns:
+        try:
+            far = Far.create()
+        except NetnsUnavailable as e:
+            print(f"--netns: {e}", file=sys.stderr)
+            return 2
+    try:
+        return run(args, far)
+    finally:
+        if far is not None:
+            far.close()
+
+
+def run(args, far: Far | None) -> int:
     preset = get_preset(args.preset or ("muse-spark" if args.device == "cuda" else "small"))
     ms = [int(m) for m in args.ms.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
@@ -366,6 +412,8 @@ def main() -> int:
     default = "grpc,tcp,shm,nixl" if with_nixl else "grpc,tcp,shm"
     if args.device == "cuda":
         default += ",cuda-ipc"
+    if far is not None:  # no shard on this host: no same-host plane
+        default = ",".join(t for t in default.split(",") if t not in ("shm", "cuda-ipc"))
     transports = (args.transports or default).split(",")
     client_device = args.device
     common = [
@@ -387,10 +435,10 @@ def main() -> int:
     bell = doorbell_us(max(args.reps, 500), shm.SPIN_S)
     for m in ms:
         out_b, back_b = request_bytes(preset, m)
-        tcp = tcp_echo_us(out_b, back_b, args.reps)
-        echo = grpc_echo_us(out_b, back_b, args.reps)
+        tcp = tcp_echo_us(out_b, back_b, args.reps, far)
+        echo = grpc_echo_us(out_b, back_b, args.reps, far)
         d2d = d2d_us(out_b + back_b, args.reps)
-        nixl_echo = nixl_echo_us(out_b, back_b, args.reps) if with_nixl else []
+        nixl_echo = nixl_echo_us(out_b, back_b, args.reps, far) if with_nixl else []
         floors.append(
             {
                 "M": m,
@@ -408,10 +456,13 @@ def main() -> int:
 
     rows = []
     for n in shard_counts:
-        procs = [
-            start_shard([*common, "--shard", str(s), "--num-shards", str(n)]) for s in range(n)
-        ]
+        where = [] if far is None else ["--listen", f"{far.peer_addr}:0"]
+        prefix = None if far is None else far.prefix
+        procs = []
         try:
+            for s in range(n):
+                args_s = [*common, "--shard", str(s), "--num-shards", str(n), *where]
+                procs.append(start_shard(args_s, prefix=prefix))
             wait_serving(procs, timeout=900)
             addresses = [p.address for p in procs]
             for transport in transports:
@@ -432,6 +483,7 @@ def main() -> int:
         "preset": preset.name,
         "python": f"{sys.version.split()[0]}, grpcio {grpc.__version__}",
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
+        "netns": None if far is None else repr(far),
         "reps": args.reps,
         "floors": floors,
         "rows": rows,
@@ -439,7 +491,7 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"transport-{args.kind}-{result['date']}"
+        stem = f"transport-{args.kind}{'-netns' if far else ''}-{result['date']}"
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         plot(result, out / f"{stem}.png")
     print_table(result)
@@ -476,8 +528,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def print_table(result: dict) -> None:
+    where = f", shards across a veth: {result['netns']}" if result.get("netns") else ""
     print(
-        f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}), p50 us:"
+        f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}{where}), p50 us:"
         f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'nixl echo':>10} "
         f"{'d2d':>7}"
     )
