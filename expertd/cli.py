@@ -88,6 +88,61 @@ def _address(text: str) -> str:
 _address.__name__ = "address"
 
 
+def _metrics_listen(text: str) -> str:
+    """HOST:PORT ([v6]:PORT; an empty host: every interface), or off (kept as text: serve
+    parses it)."""
+    if text.strip().lower() == "off":
+        return text
+    host, sep, port = text.rpartition(":")
+    if sep and not host.startswith("unix") and port.isdigit() and int(port) <= 65535:
+        return text
+    raise argparse.ArgumentTypeError(f"expected HOST:PORT or off, got {text!r}")
+
+
+_metrics_listen.__name__ = "metrics address"
+
+# expertd/tracing.py's values: what turns tracing off, what hands spans to the application's
+# provider, and the SDK exporters (with the module each needs).
+_TRACE_OFF = ("", "off", "0", "false", "no")
+_TRACE_ON = ("on", "1", "true", "yes")
+_TRACE_NEEDS = {
+    "console": "opentelemetry.sdk",
+    "jsonl": "opentelemetry.sdk",
+    "otlp": "opentelemetry.exporter.otlp.proto.grpc",
+}
+
+
+def _trace(text: str) -> str:
+    """off | on | console | otlp | jsonl:PATH (kept as text), with OpenTelemetry installed
+    for any but off; found without importing it."""
+    import importlib.util
+
+    spec = text.strip()
+    kind, _, path = spec.partition(":")
+    kind = kind.lower()
+    if spec.lower() in _TRACE_OFF:
+        return text
+    if spec.lower() in _TRACE_ON:
+        needs = "opentelemetry.trace"
+    elif kind in _TRACE_NEEDS and (kind == "jsonl") == bool(path) and (path or ":" not in spec):
+        needs = _TRACE_NEEDS[kind]
+    else:
+        raise argparse.ArgumentTypeError(
+            f"expected off, on, console, otlp or jsonl:PATH, got {text!r}"
+        )
+    try:
+        found = importlib.util.find_spec(needs) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        extra = "opentelemetry-exporter-otlp" if kind == "otlp" else "'expertd[otel]'"
+        raise argparse.ArgumentTypeError(f"{text!r} needs {needs}: pip install {extra}")
+    return text
+
+
+_trace.__name__ = "trace"
+
+
 def _log_level(text: str) -> str:
     if text.upper() in _LOG_LEVELS:
         return text.upper()
@@ -142,11 +197,70 @@ _experts.__name__ = "expert list"
 
 # ---- the parser --------------------------------------------------------------------------
 
+# Variables that are no option's but change what a command does (kernels/build.py, demo.py),
+# listed after its options in --help.
+KERNEL_VARIABLES = (
+    (
+        "EXPERTD_KERNEL_LIB",
+        "a prebuilt libexpertd_kernels.so to load instead of building the CUDA kernels "
+        "[default: none: build them into the kernel cache]",
+    ),
+    ("EXPERTD_KERNEL_CACHE", "the kernels' build cache [default: ~/.cache/expertd/kernels]"),
+    ("EXPERTD_KERNEL_VERBOSE", "1: print the ninja / nvcc / ptxas log [default: 0]"),
+    ("EXPERTD_NVCC", "the nvcc that builds the kernels [default: $CUDA_HOME/bin/nvcc, then PATH]"),
+)
+DEMO_VARIABLES = (
+    (
+        "EXPERTD_CACHE_DIR",
+        "where the demo keeps its synthetic checkpoint, under checkpoints/ "
+        "[default: ~/.cache/expertd]",
+    ),
+)
+
+
+def _environment(*variables: tuple[str, str]) -> str:
+    """An epilog naming variables a command reads beside its options' own."""
+    width = max(len(name) for name, _ in variables) + 2
+    lines = [f"  {name:<{width}}{meaning}" for name, meaning in variables]
+    return "\n".join(["environment (besides the options' own variables):", *lines])
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help, except that descriptions and epilogs keep their lines: each line is
+    wrapped on its own, an indented `NAME  meaning` line's continuation under its meaning."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        out = []
+        for line in text.splitlines():
+            if not line.strip():
+                out.append("")
+                continue
+            entry = re.match(r"\s+\S+\s{2,}", line)
+            more = indent + " " * (entry.end() if entry else 0)
+            lead = indent + line[: len(line) - len(line.lstrip())]
+            out.append(
+                textwrap.fill(line.strip(), width, initial_indent=lead, subsequent_indent=more)
+            )
+        return "\n".join(out)
+
+
+def given(args, dest: str) -> str:
+    """How the user gave an option's value, for a message: `--device cuda` from the command
+    line, `EXPERTD_DEVICE='cuda'` from the environment."""
+    env = getattr(args, "_from_env", {}).get(dest)
+    value = getattr(args, dest)
+    if env:
+        return f"{env}={os.environ.get(env, value)!r}"
+    return f"--{dest.replace('_', '-')} {value}"
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with EXPERTD_* fallbacks applied at parse time, and one-line errors."""
 
     def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
         self._fallbacks: list[tuple] = []  # (dest, env name, type, default, choices)
 
@@ -193,6 +307,9 @@ class Parser(argparse.ArgumentParser):
                         raise ValueError(f"expected one of {', '.join(map(str, choices))}")
                 except (argparse.ArgumentTypeError, ValueError) as e:
                     self.error(f"{env}={raw!r}: {e}")
+                if not hasattr(namespace, "_from_env"):
+                    namespace._from_env = {}
+                namespace._from_env[dest] = env  # where the value came from, for messages
             setattr(namespace, dest, value)
 
     def parse_args(self, args=None, namespace=None):
@@ -213,6 +330,7 @@ def _serve_parser(sub) -> None:
         "serve",
         help="serve one shard of experts over gRPC",
         description="Serve one shard of every layer's experts over gRPC (one process per GPU).",
+        epilog=_environment(*KERNEL_VARIABLES),
     )
     o = p.option
     src = p.add_argument_group("weights (one of)")
@@ -307,6 +425,7 @@ def _serve_parser(sub) -> None:
     o(
         "--metrics-listen",
         env="METRICS_LISTEN",
+        type=_metrics_listen,
         metavar="HOST:PORT|off",
         help="serve /metrics here instead (off: no endpoint, whatever the port says)",
         group=run,
@@ -322,6 +441,7 @@ def _serve_parser(sub) -> None:
     o(
         "--trace",
         env="TRACE",
+        type=_trace,
         metavar="off|on|console|otlp|jsonl:PATH",
         help="OpenTelemetry spans (needs expertd[otel])",
         group=run,
@@ -470,6 +590,25 @@ def _resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _device_problem(device: str) -> str | None:
+    """Why this machine cannot run on `device` (None: it can)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        return (
+            f"torch sees no CUDA device on this machine (torch {torch.__version__}, {build}); "
+            "use --device cpu or auto"
+        )
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        return f"this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+    return None
+
+
 def cmd_serve(args) -> int:
     if bool(args.checkpoint) == bool(args.synthetic):
         print(
@@ -494,6 +633,10 @@ def cmd_serve(args) -> int:
     from expertd.server.security import load_token
 
     device = _resolve_device(args.device)
+    unusable = _device_problem(device)
+    if unusable:  # before binding: a server that cannot load must not look like one
+        print(f"expertd serve: error: {given(args, 'device')}: {unusable}", file=sys.stderr)
+        return 2
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     elif device.startswith("cuda"):
@@ -575,11 +718,34 @@ def cmd_make_checkpoint(args) -> int:
 def _client_options(p: Parser, what: str) -> None:
     """TLS and auth for a command that calls a server (plaintext and no token by default)."""
     g = p.add_argument_group("connecting (when the server has TLS or auth on)")
-    g.add_argument("--tls-ca", metavar="PEM", help=f"connect with TLS, trusting this CA {what}")
-    g.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
-    g.add_argument("--tls-key", metavar="PEM", help="client private key (mutual TLS)")
-    g.add_argument(
-        "--tls-server-name", metavar="NAME", help="the name the server certificate must carry"
+    o = p.option
+    o(
+        "--tls-ca",
+        metavar="PEM",
+        help=f"connect with TLS, trusting this CA {what}",
+        shown="none: plaintext",
+        group=g,
+    )
+    o(
+        "--tls-cert",
+        metavar="PEM",
+        help="client certificate (mutual TLS; with --tls-key and --tls-ca)",
+        shown="none: no client certificate",
+        group=g,
+    )
+    o(
+        "--tls-key",
+        metavar="PEM",
+        help="client private key (mutual TLS; with --tls-cert)",
+        shown="none",
+        group=g,
+    )
+    o(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server certificate must carry",
+        shown="the address's host",
+        group=g,
     )
 
 
@@ -748,6 +914,7 @@ def _cluster_parser(sub) -> None:
         help="start and supervise N local shards",
         description="Start N local `expertd serve` shards, restart any that dies, stop them "
         "together (SIGTERM or Ctrl-C drains).",
+        epilog=_environment(*KERNEL_VARIABLES),
     )
     o = p.option
     src = p.add_argument_group("weights (one of)")
@@ -778,6 +945,7 @@ def _demo_parser(sub) -> None:
         help="run a local 8-shard service and check it",
         description="Start a local N-shard service, call it with the real client at a few "
         "batch sizes, check every result against the reference, stop it.",
+        epilog=_environment(*KERNEL_VARIABLES, *DEMO_VARIABLES),
     )
     o = p.option
     o("--shards", type=_int(1), default=8, help="shard servers")
@@ -826,7 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
 
     mk = sub.add_parser("make-checkpoint", help="write a synthetic NVFP4 checkpoint")
-    mk.add_argument("dir", help="directory to write (created)")
+    mk.add_argument("dir", help="directory to write (created) [required; no default]")
     mk.option("--preset", default="small", choices=PRESETS, help="model shape")
     mk.option("--layers", type=_int(1), default=2, help="layers")
     mk.option("--seed", type=_int(0), default=0, help="weights' seed")
@@ -838,13 +1006,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask shard servers what they serve (Describe): one summary each, experts "
         "and layers as ranges, then whether together they cover every expert.",
     )
-    ds.add_argument("addresses", nargs="+", type=_address, metavar="ADDRESS")
+    ds.add_argument(
+        "addresses",
+        nargs="+",
+        type=_address,
+        metavar="ADDRESS",
+        help="a shard server's HOST:PORT or unix:PATH, one or more [required; no default]",
+    )
     ds.option("--timeout", type=_float(0), default=5.0, help="seconds per server")
     ds.option("--full", action="store_true", default=False, help="print the whole reply")
     ds.option(
         "--auth-token-file",
         env="AUTH_TOKEN_FILE",
         help="bearer token file (else EXPERTD_AUTH_TOKEN)",
+        shown="none: EXPERTD_AUTH_TOKEN, else no token",
     )
     _client_options(ds, "(the server's certificate's)")
 
@@ -861,8 +1036,8 @@ def build_parser() -> argparse.ArgumentParser:
         "address",
         nargs="?",
         type=_address,
-        help="HOST:PORT [default: EXPERTD_HEALTH_LISTEN, else EXPERTD_LISTEN, else "
-        f"{DEFAULT_LISTEN}]",
+        help="the server's HOST:PORT [default: EXPERTD_HEALTH_LISTEN, else EXPERTD_LISTEN, "
+        f"else {DEFAULT_LISTEN}]",
     )
     hc.option("--service", default="", help="health service name ('' = the server)")
     hc.option("--timeout", type=_float(0), default=3.0, help="seconds")
@@ -878,6 +1053,7 @@ def build_parser() -> argparse.ArgumentParser:
         "once, and print the library's path; shard servers then load it instead of compiling. "
         "Needs nvcc (EXPERTD_NVCC, $CUDA_HOME/bin, PATH), not a GPU. Processes that build at "
         "once wait for the first. Progress goes to stderr.",
+        epilog=_environment(*KERNEL_VARIABLES),
     )
     bk.option(
         "--cache",

@@ -89,6 +89,50 @@ def test_bad_values_are_one_line_and_exit_2(argv, env):
     assert done.stdout == ""
 
 
+SMALL = ("serve", "--synthetic", "small", "--layers", "1", "--listen", "127.0.0.1:0")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--trace", "zipkin"], {}, "argument --trace: "),
+        (["--trace", "jsonl:"], {}, "argument --trace: "),
+        ([], {"EXPERTD_TRACE": "zipkin"}, "EXPERTD_TRACE='zipkin': "),
+        (["--metrics-listen", "nowhere"], {}, "argument --metrics-listen: "),
+        ([], {"EXPERTD_METRICS_LISTEN": "9400"}, "EXPERTD_METRICS_LISTEN='9400': "),
+    ],
+)
+def test_trace_and_metrics_address_are_refused_when_parsed(argv, env, named):
+    """Checked with the other values, before torch is imported or anything binds, and named
+    as given: a flag as the flag, a variable as the variable."""
+    done = expertd_cmd(*SMALL, "--device", "cpu", *argv, env=env, importtime=True)
+    err = "".join(line for line in done.stderr.splitlines(True) if "import time:" not in line)
+    assert done.returncode == 2 and done.stdout == "", problems(done)
+    assert err.count("\n") == 1 and err.startswith(f"expertd serve: error: {named}"), err
+    if argv:
+        assert "EXPERTD_" not in err.split(" (see ")[0], err
+    assert not imported(done.stderr) & {*HEAVY, "grpc"}, "refused before the server starts"
+
+
+def test_cuda_without_a_gpu_is_refused_before_listening():
+    """On a machine without CUDA, --device cuda (or cuda:N, or EXPERTD_DEVICE) is one line
+    and exit 2 before the server binds or prints LISTENING."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for argv, env, named in (
+        (["--device", "cuda"], {}, "--device cuda"),
+        (["--device", "cuda:1"], {}, "--device cuda:1"),
+        ([], {"EXPERTD_DEVICE": "cuda"}, "EXPERTD_DEVICE='cuda'"),
+    ):
+        done = expertd_cmd(*SMALL, *argv, env=env, timeout=120)
+        assert done.returncode == 2 and done.stdout == "", problems(done)  # no LISTENING
+        assert done.stderr.count("\n") == 1, problems(done)
+        assert done.stderr.startswith(f"expertd serve: error: {named}: "), done.stderr
+        assert "CUDA" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_taken_tcp_data_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
