@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 import expertd
+from expertd import tracing
 from expertd.codec import ForwardRequestView, TensorView, parse_forward_response
 from expertd.server.oip_shm import (
     CUDA,
@@ -29,7 +30,7 @@ from expertd.server.oip_shm import (
     cuda_available,
     tensor_ref,
 )
-from expertd.server.service import ExpertServicer
+from expertd.server.service import ExpertServicer, traceparent_of
 from expertd.server.validate import RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 from expertd.v1 import inference_pb2 as oip
@@ -193,7 +194,8 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                     copying = loop.run_in_executor(None, lease.fill)
                     await asyncio.shield(copying)
                 read = time.perf_counter_ns()
-                reply = await self.experts._forward(forward, deadline)
+                parent = traceparent_of(context) if tracing.active() else ""
+                reply = await self.experts._forward(forward, deadline, parent)
                 answer = parse_forward_response(reply)
                 out = answer.output
                 if into is not None:

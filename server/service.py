@@ -68,7 +68,7 @@ def server_options(max_inflight: int) -> list[tuple[str, int]]:
     ]
 
 
-def _traceparent(context) -> str:
+def traceparent_of(context) -> str:
     """The W3C traceparent in a unary call's metadata ("" if none)."""
     for key, value in context.invocation_metadata() or ():
         if key == tracing.TRACEPARENT:
@@ -305,7 +305,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            parent = _traceparent(context) if tracing.active() else ""
+            parent = traceparent_of(context) if tracing.active() else ""
             reply = await self._forward(request, deadline, parent)
         except RequestError as e:
             self._count("Forward", e.code)

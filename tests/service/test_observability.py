@@ -228,6 +228,38 @@ def test_trace_links_client_and_shard_process(tmp_path, memory_tracing, transpor
             assert request["start_ns"] <= child["start_ns"] <= child["end_ns"] <= request["end_ns"]
 
 
+def test_oip_model_infer_joins_the_callers_trace(one_shard, memory_tracing):
+    """A ModelInfer carrying a W3C traceparent in its metadata: the server's request
+    span is that span's child (the OIP service of an in-process shard)."""
+    import grpc
+
+    from expertd.v1 import inference_pb2 as oip
+    from expertd.v1 import inference_pb2_grpc as oip_grpc
+
+    gen = torch.Generator().manual_seed(3)
+    x = hidden(2, gen)
+    ids, w = routing(2, gen)
+    request = oip.ModelInferRequest(model_name="moe")
+    request.parameters["layer"].int64_param = 1
+    for name, t, dtype in (("hidden_states", x, "BF16"), ("topk_ids", ids, "INT32")):
+        request.inputs.add(name=name, datatype=dtype, shape=list(t.shape))
+        request.raw_input_contents.append(t.contiguous().view(torch.uint8).numpy().tobytes())
+    request.inputs.add(name="topk_weights", datatype="FP32", shape=list(w.shape))
+    request.raw_input_contents.append(w.contiguous().numpy().tobytes())
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    md = (("traceparent", f"00-{trace_id}-{span_id}-01"),)
+    with grpc.insecure_channel(one_shard.address) as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        answer = stub.ModelInfer(request, timeout=30, metadata=md)
+    assert list(answer.outputs[0].shape) == [2, x.shape[1]]
+    requests = [
+        s for s in memory_tracing.get_finished_spans() if s.name == "expertd.server.request"
+    ]
+    assert len(requests) == 1
+    assert f"{requests[0].context.trace_id:032x}" == trace_id
+    assert f"{requests[0].parent.span_id:016x}" == span_id
+
+
 def test_tracing_off_makes_no_spans(one_shard, memory_tracing):
     tracing.configure("off")
     _call(one_shard.address, calls=1, transport="grpc").close()
