@@ -14,7 +14,8 @@ virtual environments that see nothing of this one (no system site-packages).
 torch is not reinstalled into each environment: the client uses the torch it finds, so a
 folder of links to this environment's torch and the packages torch needs (none of them
 protobuf or gRPC) goes on the new environment's path. Everything else comes from the
-package index, through pip's cache; without the index these tests skip and say so.
+package index, through pip's cache; without the index these tests skip and say so, unless
+EXPERTD_REQUIRE_INSTALL_TESTS=1 (set by CI, .ci/run) makes that a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -47,6 +49,17 @@ UNREACHABLE = re.compile(
     r"|Max retries exceeded|Network is unreachable"
 )
 LEFTOVERS = ("build/", ".egg-info", "__pycache__", ".pyc", "tests/", ".venv")
+# Set (to anything but 0) where these tests must run: an unreachable index then fails them
+# instead of skipping them, so such a run cannot pass without them.
+REQUIRE = "EXPERTD_REQUIRE_INSTALL_TESTS"
+
+
+def index_unreachable(what: str) -> NoReturn:
+    """The package index is out of reach for `what`: skip, or fail when REQUIRE is set."""
+    message = f"package index unreachable: {what}"
+    if os.environ.get(REQUIRE, "").strip() not in ("", "0"):
+        pytest.fail(f"{message} ({REQUIRE} is set: these tests must run here)", pytrace=False)
+    pytest.skip(message)
 
 
 def run(cmd: list[str], timeout: float = PIP_TIMEOUT_S, **kw) -> subprocess.CompletedProcess:
@@ -60,8 +73,41 @@ def pip_install(python: Path, *args: str) -> None:
     if done.returncode != 0:
         output = done.stdout + done.stderr
         if UNREACHABLE.search(output) and "ResolutionImpossible" not in output:
-            pytest.skip(f"package index unreachable for pip install {' '.join(args)}")
+            index_unreachable(f"pip install {' '.join(args)}")
         pytest.fail(f"pip install {' '.join(args)} failed:\n{output[-4000:]}")
+
+
+UNREACHABLE_PIP = (
+    "WARNING: Retrying (Retry(total=4, connect=None, read=None, redirect=None, status=None)) "
+    "after connection broken by 'NewConnectionError(... Failed to establish a new connection: "
+    "[Errno -3] Temporary failure in name resolution)': /simple/grpcio/\n"
+    "ERROR: Could not find a version that satisfies the requirement grpcio\n"
+)
+
+
+@pytest.mark.parametrize("required", ["", "0", "1"])
+def test_an_unreachable_index_skips_unless_these_tests_are_required(required, monkeypatch):
+    """pip's output for an index out of reach (simulated: no pip runs) skips the test, or
+    fails it when EXPERTD_REQUIRE_INSTALL_TESTS is set, as CI sets it; a conflict fails
+    either way."""
+    monkeypatch.setenv(REQUIRE, required)
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr=UNREACHABLE_PIP)
+    monkeypatch.setattr(sys.modules[__name__], "run", lambda *a, **k: failed)
+
+    def outcome() -> Exception:
+        try:
+            pip_install(Path("python"), "grpcio")
+        except (pytest.skip.Exception, pytest.fail.Exception) as e:
+            return e
+        raise AssertionError("pip_install went on after pip failed")
+
+    got = outcome()
+    wanted = pytest.fail.Exception if required == "1" else pytest.skip.Exception
+    assert type(got) is wanted, f"{type(got).__name__}: {got}"
+    assert "package index unreachable: pip install grpcio" in str(got)
+    failed.stderr += "ERROR: ResolutionImpossible\n"
+    got = outcome()
+    assert type(got) is pytest.fail.Exception and "pip install grpcio failed" in str(got)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +128,7 @@ def wheel(tmp_path_factory) -> Path:
     if done.returncode != 0:
         output = done.stdout + done.stderr
         if UNREACHABLE.search(output):
-            pytest.skip("package index unreachable: cannot fetch the build backend")
+            index_unreachable("cannot fetch the build backend")
         pytest.fail(f"building the wheel failed:\n{output[-4000:]}")
     (found,) = out.glob("expertd-*.whl")
     return found
