@@ -253,6 +253,8 @@ class AsyncExpertClient:
                 whys.append("the replica offers no NIXL data plane")
             elif (owner := self._nixl_owner()) is None:
                 whys.append(self._nixl_why)
+            elif owner.stuck:
+                whys.append(owner.stuck)
             else:
                 ch = nixl_client.NixlChannel(owner, ep.address, ep.info)
                 if await self._lease(ep, ch, timeout, whys):

@@ -62,6 +62,45 @@ class ClientAgent:
         self.leases: dict[str, NixlLease] = {}
         self._lock = threading.Lock()
         self.progress = nixl.Progress(self.agent, self._on_notif, "expertd-nixl-client")
+        # a connection to a shard's agent that outlived its lease's time (an address UCX
+        # cannot reach: the connect waits for the kernel's timeout, minutes, holding the
+        # agent): no new lease tries NIXL until it returns
+        self.stuck = ""
+
+    async def connect(self, metadata: bytes, timeout: float) -> str:
+        """Load a shard's agent and connect to it -> its name; off the event loop (a
+        peer that UCX cannot reach blocks the call for minutes), within `timeout`
+        (LeaseError after it, and `stuck` says so until the call returns)."""
+        if self.stuck:
+            raise LeaseError(self.stuck)
+        loop = asyncio.get_running_loop()
+        done = loop.run_in_executor(None, self._connect, metadata)
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            self.stuck = (
+                f"NIXL could not reach a shard's agent in {timeout:.3g} s; no NIXL lease "
+                "is tried until that connection attempt ends"
+            )
+            done.add_done_callback(self._unstuck)
+            raise LeaseError(self.stuck) from None
+
+    def _connect(self, metadata: bytes) -> str:
+        try:
+            peer = self.agent.add_remote_agent(metadata)
+        except Exception:
+            raise LeaseError("the shard's NIXL agent metadata was not accepted") from None
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        with contextlib.suppress(Exception):
+            self.agent.make_connection(peer)
+        return peer
+
+    def _unstuck(self, done) -> None:
+        """The late connection attempt ended: drop the agent it made, if it made one."""
+        self.stuck = ""
+        if not done.cancelled() and done.exception() is None:
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(done.result())
 
     def _on_notif(self, peer, message: bytes) -> None:
         peer = peer.decode() if isinstance(peer, bytes) else peer
@@ -82,16 +121,29 @@ class ClientAgent:
             self.leases[lease.peer] = lease
 
     def drop(self, lease: NixlLease) -> None:
+        """Forget a lease; its agent and memory are let go on a thread of their own (the
+        agent's calls wait while a connection attempt holds it)."""
         with self._lock:
             if self.leases.get(lease.peer) is lease:
                 del self.leases[lease.peer]
-        with contextlib.suppress(Exception):
-            self.agent.remove_remote_agent(lease.peer)
-        with contextlib.suppress(Exception):
-            self.agent.deregister_memory(lease.reg)
+        threading.Thread(
+            target=self._release,
+            args=(lease.peer, lease.reg),
+            name="expertd-nixl-drop",
+            daemon=True,
+        ).start()
+
+    def _release(self, peer: str, reg) -> None:
+        if peer:
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(peer)
+        if reg is not None:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(reg)
 
     def close(self) -> None:
-        self.progress.stop()
+        # with a connection attempt holding the agent the thread cannot end yet: no wait
+        self.progress.stop(wait=not self.stuck)
 
 
 class NixlSlot:
@@ -286,6 +338,11 @@ class NixlLease:
 class NixlChannel(SlotPool):
     """Every slot this client holds with one replica over NIXL (see shm.ShmChannel)."""
 
+    def usable(self) -> bool:
+        if self.owner.stuck and not self.broken:  # its calls would wait for the agent
+            self.broken = self.owner.stuck
+        return super().usable()
+
     name = nixl.NIXL
 
     def __init__(self, owner: ClientAgent, address: str, info) -> None:
@@ -358,15 +415,9 @@ class NixlChannel(SlotPool):
                 if region.byte_size < lay.byte_size or region.memory != nixl.HOST:
                     raise LeaseError("the shard's slot regions do not fit the layout")
                 slot.remote_addr = region.address
-            try:
-                peer = owner.agent.add_remote_agent(reply.nixl.agent_metadata)
-            except Exception:
-                raise LeaseError("the shard's NIXL agent metadata was not accepted") from None
-            lease.peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            lease.peer = await owner.connect(reply.nixl.agent_metadata, timeout)
             lease.lease_id = reply.lease_id
             owner.add(lease)
-            with contextlib.suppress(Exception):
-                owner.agent.make_connection(lease.peer)
         except BaseException:
             lease.closed = True
             call.cancel()

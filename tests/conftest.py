@@ -36,6 +36,28 @@ if _FORCED_TRANSPORT:
 
     _aio.AsyncExpertClient.__init__ = _init_with_transport
 
+
+def pytest_collection_finish(session):
+    """Make the second host of tests/client/test_crosshost.py before any test runs:
+    UCX learns a process's network interfaces once, when NIXL first starts in it, so a
+    veth made after an earlier test used NIXL stays out of this process's reach."""
+    if not any("test_crosshost" in item.nodeid for item in session.items):
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from netns import Far, NetnsUnavailable
+
+    try:
+        session.config.expertd_far = Far.create()
+    except NetnsUnavailable as e:
+        session.config.expertd_far_why = str(e)
+
+
+def pytest_sessionfinish(session):
+    far = getattr(session.config, "expertd_far", None)
+    if far is not None:
+        far.close()
+
+
 PRESET = get_preset("small")  # H=512, I=256, E=64, top_k=8
 SEED = 7
 LAYERS = 2

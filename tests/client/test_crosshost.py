@@ -12,6 +12,8 @@ where network namespaces cannot be made (not root, no iproute2, no CAP_SYS_ADMIN
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -26,9 +28,6 @@ from conftest import hidden, routing
 from expertd import nixl
 from expertd.client import CoverageError, ExpertClient, ShardCallError
 from expertd.launcher import start_shard, stop_shards, wait_serving
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from netns import Far, NetnsUnavailable
 
 SERVE = ["--synthetic", "small", "--layers", "1", "--seed", "7", "--device", "cpu"]
 SERVE += ["--log-level", "WARNING", "--torch-threads", "1"]
@@ -59,15 +58,13 @@ def case(m: int, seed: int):
 
 
 @pytest.fixture(scope="module")
-def far():
-    try:
-        pair = Far.create()
-    except NetnsUnavailable as e:
-        pytest.skip(f"no second network namespace on this machine: {e}")
-    try:
-        yield pair
-    finally:
-        pair.close()
+def far(request):
+    """The namespace tests/conftest.py made before any test ran (see there why)."""
+    pair = getattr(request.config, "expertd_far", None)
+    if pair is None:
+        why = getattr(request.config, "expertd_far_why", "not made")
+        pytest.skip(f"no second network namespace on this machine: {why}")
+    return pair
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +200,23 @@ def test_a_cut_link_fails_calls_at_their_deadline_and_calls_succeed_once_it_is_b
         assert torch.equal(bits(out), bits(good))
         assert torch.equal(bits(client.submit(0, x, ids, w).result()), bits(good))
         assert transports(client) == dict.fromkeys(shards.remote, transport)
+
+
+@pytest.mark.skipif(not nixl.available(), reason=f"NIXL not importable: {nixl.why()}")
+def test_a_shard_nixl_cannot_reach_costs_the_lease_timeout_not_the_client(far):
+    """In a process whose UCX cannot reach the shard's host (nixl_unreachable_client.py
+    says how), connecting to the shard's agent waits minutes: the client gives up on
+    NIXL within its discovery timeout, off its event loop (which keeps running), leases
+    tcp slots instead and answers as gRPC does."""
+    discover = 3.0
+    script = Path(__file__).with_name("nixl_unreachable_client.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(discover)], capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:]
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    assert got["transport"] == "tcp" and got["same"], got
+    assert got["seconds"] < discover + 10, got  # not the kernel's connect timeout
+    assert got["loop_gap_s"] < 1.0, got  # the loop was never held by the connection
