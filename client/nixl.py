@@ -194,6 +194,7 @@ class NixlSlot:
         timeout_us = max(int(timeout * 1e6), 1)
         message = nixl.pack_call(self.index, self.seq, layer, m, k, timeout_us, 0, trace)
         agent = lease.owner.agent
+        lease.owner.progress.expect(self, time.monotonic() + timeout)  # poll for the answer
         try:
             if m:
                 spans = [
@@ -227,6 +228,7 @@ class NixlSlot:
             return
         self._answer = (status, rows, timing, text)
         self.pending = False
+        self.lease.owner.progress.settle(self)
         self.event.set()
         entry = self.lease.waiters.get(self.index)
         if entry is not None and entry[0] == seq:
@@ -304,6 +306,7 @@ class NixlLease:
         self.why = why
         self.closed = True
         for slot in self.slots:
+            self.owner.progress.settle(slot)
             slot.event.set()
         for _seq, fut in list(self.waiters.values()):
             with contextlib.suppress(RuntimeError):

@@ -168,6 +168,9 @@ class Progress:
 
     HOT_S = 5e-3  # after any activity, poll every POLL_S for this long
     POLL_S = 20e-6
+    # while an expected answer is out (expect()), past HOT_S: poll every 1/50 of the
+    # time waited so far, at most WAIT_POLL_S (a late answer is seen within ~2%)
+    WAIT_POLL_S = 200e-6
     NAP_S = 100e-6  # then naps, doubling up to MAX_NAP_S
     MAX_NAP_S = 1e-3
 
@@ -175,6 +178,7 @@ class Progress:
         self.agent = agent
         self.on_notif = on_notif
         self._posted: list[tuple[object, Callable[[str], None] | None]] = []
+        self._expected: dict[object, float] = {}  # what answers are awaited, until when
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -192,6 +196,24 @@ class Progress:
         with self._lock:
             self._posted.append((handle, on_done))
         self._wake.set()
+
+    def expect(self, key, deadline: float) -> None:
+        """An answer for `key` is awaited until `deadline` (time.monotonic()): poll
+        for it however long it takes (see WAIT_POLL_S)."""
+        with self._lock:
+            self._expected[key] = deadline
+
+    def settle(self, key) -> None:
+        """The answer for `key` came, or is no longer awaited."""
+        with self._lock:
+            self._expected.pop(key, None)
+
+    def _awaited(self, now: float) -> bool:
+        with self._lock:
+            late = [k for k, d in self._expected.items() if d <= now]
+            for k in late:
+                del self._expected[k]
+            return bool(self._expected)
 
     def notify(self, peer: str, message: bytes) -> None:
         self.agent.send_notif(peer, message)
@@ -244,8 +266,13 @@ class Progress:
             if busy:
                 idle_since, nap = now, self.NAP_S
                 continue
-            if now - idle_since < self.HOT_S:
+            quiet = now - idle_since
+            if quiet < self.HOT_S:
                 self._wake.wait(self.POLL_S)
+                self._wake.clear()
+                continue
+            if self._awaited(now):
+                self._wake.wait(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))
                 self._wake.clear()
                 continue
             self._wake.wait(nap)
