@@ -963,13 +963,28 @@ def _demo_parser(sub) -> None:
     o("--log-level", type=_log_level, default="WARNING", help="the demo's own log level")
 
 
+def _refuse_device(command: str, args) -> bool:
+    """One line and True when this machine cannot run the command's --device (before
+    any child starts: each would fail with the same line)."""
+    if getattr(args, "gpus", None):
+        return False
+    unusable = _device_problem(_resolve_device(args.device))
+    if unusable:
+        print(f"expertd {command}: error: {given(args, 'device')}: {unusable}", file=sys.stderr)
+    return bool(unusable)
+
+
 def cmd_cluster(args) -> int:
+    if _refuse_device("cluster", args):
+        return 2
     from expertd.cluster import run_cluster
 
     return run_cluster(args)
 
 
 def cmd_demo(args) -> int:
+    if _refuse_device("demo", args):
+        return 2
     from expertd.demo import run_demo
 
     return run_demo(args)

@@ -133,6 +133,19 @@ def test_cuda_without_a_gpu_is_refused_before_listening():
         assert "CUDA" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_cuda_without_a_gpu_is_refused_before_any_shard_starts():
+    """cluster and demo check --device cuda as serve does, once, before their children."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for command in ("cluster", "demo"):
+        done = expertd_cmd(command, "--device", "cuda", timeout=120)
+        assert done.returncode == 2 and done.stdout == "", problems(done)
+        assert done.stderr.count("\n") == 1, problems(done)
+        assert done.stderr.startswith(f"expertd {command}: error: --device cuda: "), done.stderr
+
+
 def test_a_taken_tcp_data_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
