@@ -96,6 +96,9 @@ def unpack_hello(data: bytes) -> tuple[bytes, int]:
         raise ValueError("short hello")
     magic, token, index = HELLO.unpack(data)
     if magic != MAGIC:
+        if magic[:3] == MAGIC[:3]:  # another version of this wire
+            theirs, ours = magic.decode("ascii", "replace"), MAGIC.decode()
+            raise ValueError(f"tcp data plane {theirs} from the client, this shard speaks {ours}")
         raise ValueError("not an expertd tcp data plane hello")
     return token, index
 

@@ -362,3 +362,15 @@ def test_a_killed_replica_fails_over_to_the_other():
             assert client.stats()[addresses[1]]["calls"] > 0
     finally:
         stop_shards(replicas)
+
+
+def test_a_hello_of_another_wire_version_is_named():
+    """A client of another version of this wire is told which versions met; anything
+    else is not a hello at all."""
+    token = bytes(rawtcp.TOKEN_BYTES)
+    assert rawtcp.unpack_hello(rawtcp.pack_hello(token, 3)) == (token, 3)
+    old = rawtcp.HELLO.pack(b"EXD1", token, 0)
+    with pytest.raises(ValueError, match=r"EXD1 from the client, this shard speaks EXD2"):
+        rawtcp.unpack_hello(old)
+    with pytest.raises(ValueError, match="not an expertd tcp data plane hello"):
+        rawtcp.unpack_hello(rawtcp.HELLO.pack(b"GET ", token, 0))
