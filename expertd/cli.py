@@ -101,10 +101,7 @@ def _metrics_listen(text: str) -> str:
 
 _metrics_listen.__name__ = "metrics address"
 
-# expertd/tracing.py's values: what turns tracing off, what hands spans to the application's
-# provider, and the SDK exporters (with the module each needs).
-_TRACE_OFF = ("", "off", "0", "false", "no")
-_TRACE_ON = ("on", "1", "true", "yes")
+# expertd/tracing.py's SDK exporters, with the module each needs.
 _TRACE_NEEDS = {
     "console": "opentelemetry.sdk",
     "jsonl": "opentelemetry.sdk",
@@ -117,12 +114,14 @@ def _trace(text: str) -> str:
     for any but off; found without importing it."""
     import importlib.util
 
+    from expertd.tracing import OFF_VALUES, ON_VALUES
+
     spec = text.strip()
     kind, _, path = spec.partition(":")
     kind = kind.lower()
-    if spec.lower() in _TRACE_OFF:
+    if spec.lower() in OFF_VALUES:
         return text
-    if spec.lower() in _TRACE_ON:
+    if spec.lower() in ON_VALUES:
         needs = "opentelemetry.trace"
     elif kind in _TRACE_NEEDS and (kind == "jsonl") == bool(path) and (path or ":" not in spec):
         needs = _TRACE_NEEDS[kind]

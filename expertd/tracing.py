@@ -31,6 +31,8 @@ import time
 
 ENV = "EXPERTD_TRACE"
 TRACEPARENT = "traceparent"  # the W3C header, also the ForwardRequest field's name
+OFF_VALUES = ("", "off", "0", "false", "no")  # EXPERTD_TRACE values that turn tracing off
+ON_VALUES = ("on", "1", "true", "yes")  # ... that hand spans to the application's provider
 
 # perf_counter_ns() + this = time_ns(): the server measures with the former, spans
 # carry the latter.
@@ -65,7 +67,7 @@ def configure(spec: str | None = None, *, provider=None) -> bool:
     spec = (os.environ.get(ENV, "") if spec is None else spec).strip()
     with _lock:
         _shutdown_locked()
-        if provider is None and spec.lower() in ("", "off", "0", "false", "no"):
+        if provider is None and spec.lower() in OFF_VALUES:
             return False
         try:
             from opentelemetry import trace
@@ -73,7 +75,7 @@ def configure(spec: str | None = None, *, provider=None) -> bool:
             raise RuntimeError(
                 f"tracing ({ENV}={spec}) needs OpenTelemetry: pip install 'expertd[otel]'"
             ) from None
-        if provider is None and spec.lower() not in ("on", "1", "true", "yes"):
+        if provider is None and spec.lower() not in ON_VALUES:
             provider = _provider = _sdk_provider(spec)
         source = provider if provider is not None else trace.get_tracer_provider()
         _tracer = source.get_tracer("expertd")
