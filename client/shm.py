@@ -37,6 +37,7 @@ import numpy as np
 
 from expertd import dataplane as dp
 from expertd.client.stream import StreamCallError
+from expertd.tracing import NO_CONTEXT
 
 # The caller's wait: spin this long on resp_seq before sleeping in FUTEX_WAIT. A forward
 # takes tens of microseconds at least; spinning for about that long saves the wake-up of
@@ -60,7 +61,7 @@ class LeaseError(Exception):
     """The data plane could not be set up with a replica (not on this host, refused...)."""
 
 
-NO_TRACE = (0, 0, 0, 0)  # a call without the caller's span (expertd.tracing.NO_CONTEXT)
+NO_TRACE = NO_CONTEXT  # a call without the caller's span
 
 
 def write_trace(ctl, trace) -> None:

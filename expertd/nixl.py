@@ -27,6 +27,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+from expertd.tracing import NO_CONTEXT
+
 log = logging.getLogger("expertd.nixl")
 
 NIXL = "nixl"
@@ -120,7 +122,7 @@ def _quiet():
 
 
 def pack_call(
-    slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int, trace=(0, 0, 0, 0)
+    slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int, trace=NO_CONTEXT
 ):
     """trace: the caller's span as expertd.tracing.context_fields gives it."""
     return CALL + _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1), *trace)
@@ -269,11 +271,7 @@ class Progress:
                 idle_since, nap = now, self.NAP_S
                 continue
             quiet = now - idle_since
-            if quiet < self.HOT_S:
-                self._wake.wait(max(self.POLL_S, quiet / 50))
-                self._wake.clear()
-                continue
-            if self._awaited(now):
+            if quiet < self.HOT_S or self._awaited(now):
                 self._wake.wait(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))
                 self._wake.clear()
                 continue
