@@ -33,8 +33,8 @@ fi
 [ -n "${EXPERTD_KERNEL_LIB:-}" ] || $PY -m expertd build-kernels || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
-echo "== CUDA tests"
-$PY -m pytest -q -p no:cacheprovider -o addopts="" -m cuda --timeout 300 \
+echo "== CUDA tests"  # -P: the checkout's kernels/ folder must not shadow the kernels package
+$PY -P -m pytest -q -p no:cacheprovider -o addopts="" -m cuda --timeout 300 \
   "${@:-tests/gpu}" 2>&1 | tee "$OUT/tests.log" | grep -v "^I[0-9]" | tail -40
 tests_rc=${PIPESTATUS[0]}
 

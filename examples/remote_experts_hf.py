@@ -1,6 +1,7 @@
 """Run a transformers MoE model with its experts on expertd shards, from a ModelOpt NVFP4 export.
 
     python examples/remote_experts_hf.py                       # the tiny Qwen3-MoE test fixture
+    python examples/remote_experts_hf.py --device cuda         # model and shards on the GPU
     python examples/remote_experts_hf.py --checkpoint DIR --servers host:50051,host:50052
 
 The steps a frontend takes (copy them):
@@ -10,9 +11,12 @@ The steps a frontend takes (copy them):
 2. swap every MoE block's experts for `RemoteExperts` on an `ExpertClient`;
 3. generate as usual: each MoE layer's experts run on the shards, the rest locally.
 
-Without `--servers` it starts two CPU shard servers of the checkpoint in this process.
-tests/client/test_model_family_e2e.py checks that the tokens are those of the same model
-running the export's experts decoded locally.
+Without `--servers` it starts two shard server processes of the checkpoint on `--device`,
+as an operator would (`expertd serve --checkpoint DIR --shard S --num-shards 2`). The
+model runs on `--device` too; the client picks each shard's data plane by itself
+(cuda-ipc for a model on the GPU next to GPU shards, shared memory on the CPU).
+tests/client/test_model_family_e2e.py and tests/gpu/test_cuda_model_family.py check that
+the tokens are those of the same model running the export's experts decoded locally.
 """
 
 from __future__ import annotations
@@ -58,34 +62,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, default=FIXTURE)
     parser.add_argument("--servers", help="shard addresses, comma-separated (default: start 2)")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
     prompts = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.to(args.device)
 
-    servers = []
+    shards = []
     if args.servers:
         addresses = args.servers.split(",")
     else:
-        from expertd.server.app import BackgroundServer
-        from expertd.server.config import ServerConfig
+        from expertd.launcher import start_shard, stop_shards, wait_serving
 
         for shard in range(2):
-            config = ServerConfig(checkpoint=str(args.checkpoint), shard=shard, num_shards=2)
-            servers.append(BackgroundServer(config))
-        addresses = [s.address for s in servers]
+            serve = ["--checkpoint", str(args.checkpoint), "--device", args.device]
+            shards.append(start_shard([*serve, "--shard", str(shard), "--num-shards", "2"]))
+        wait_serving(shards, timeout=600)
+        addresses = [s.address for s in shards]
     try:
-        model = build_model(args.checkpoint)
+        model = build_model(args.checkpoint).to(args.device)
         with ExpertClient(addresses, timeout=60) as client:
             layers = use_remote_experts(model, client)  # step 2: the swap
+            greedy(model, prompts, 2)  # first calls: connections, data plane leases
             start = time.perf_counter()
             tokens = greedy(model, prompts, args.new_tokens)  # step 3
             seconds = time.perf_counter() - start
-            calls = [s["calls"] for s in client.stats().values()]
+            stats = client.stats().values()
         print(f"remote experts on {len(addresses)} shards, MoE layers {sorted(layers)}")
         print(f"generated {tokens.numel()} tokens in {seconds:.2f} s: {tokens.tolist()}")
-        print(f"calls per shard: {calls}")
+        print(f"{tokens.numel() / seconds:.1f} tokens/s ({prompts.shape[0]} sequences)")
+        print(f"calls per shard: {[s['calls'] for s in stats]}")
+        print(f"data plane per shard: {[s['transport'] for s in stats]}")
     finally:
-        for server in servers:
-            server.stop()
+        if shards:
+            stop_shards(shards)
     return 0
 
 
