@@ -385,6 +385,12 @@ def main() -> int:
     ap.add_argument("--transports", default=None, help="default: grpc,shm (+cuda-ipc on CUDA)")
     ap.add_argument("--kind", default="nvidia-h200" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
+        "--serve-args",
+        default="",
+        help="more `expertd serve` flags for every shard (e.g. '--pin-slots off'); "
+        "recorded in the JSON and named in its file name",
+    )
+    ap.add_argument(
         "--netns",
         action="store_true",
         help="shards (and the echo floors' far ends) in another network namespace, over a veth",
@@ -429,6 +435,7 @@ def run(args, far: Far | None) -> int:
         "1",
         "--max-tokens",
         str(max(4096, max(ms))),
+        *args.serve_args.split(),
     ]
 
     floors = []
@@ -484,6 +491,7 @@ def run(args, far: Far | None) -> int:
         "python": f"{sys.version.split()[0]}, grpcio {grpc.__version__}",
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
         "netns": None if far is None else repr(far),
+        "serve_args": args.serve_args,
         "reps": args.reps,
         "floors": floors,
         "rows": rows,
@@ -491,7 +499,8 @@ def run(args, far: Far | None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"transport-{args.kind}{'-netns' if far else ''}-{result['date']}"
+        tag = "".join(f"-{a.lstrip('-')}" for a in args.serve_args.split())
+        stem = f"transport-{args.kind}{'-netns' if far else ''}{tag}-{result['date']}"
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         plot(result, out / f"{stem}.png")
     print_table(result)

@@ -456,6 +456,16 @@ def _serve_parser(sub) -> None:
         group=run,
     )
     o(
+        "--pin-slots",
+        env="PIN_SLOTS",
+        choices=("on", "off"),
+        default="on",
+        help="a GPU shard page-locks the shared-memory slot rows its calls use and copies "
+        "them to and from the GPU by DMA (off: through a staging buffer; pinned rows stay "
+        "resident while the client's lease lasts)",
+        group=run,
+    )
+    o(
         "--health-listen",
         env="HEALTH_LISTEN",
         type=_address,
@@ -687,6 +697,7 @@ def cmd_serve(args) -> int:
         trace=args.trace,
         health_listen=args.health_listen,
         tcp_data_port=args.tcp_data_port,
+        pin_slots=args.pin_slots == "on",
     )
 
     def announce(address: str) -> None:  # one machine-readable line for launchers

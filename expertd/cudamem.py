@@ -9,6 +9,10 @@ Both ends then see the memory as a torch uint8 tensor (through
 `__cuda_array_interface__`), so every copy into or out of it is an ordinary torch
 copy on an ordinary stream.
 
+The same runtime page-locks host memory that another process shares with this one
+(`PinnedHost`: a shm slot's memfd mapping in a GPU shard), so copies between it and
+the GPU are DMA straight from the slot, with no bounce through a staging buffer.
+
 The CUDA runtime is the one torch loaded (found in /proc/self/maps), called through
 ctypes: nothing beyond torch is needed. Linux only.
 """
@@ -77,6 +81,8 @@ def runtime() -> ctypes.CDLL:
                 ctypes.c_uint,
             )
             lib.cudaIpcCloseMemHandle.argtypes = (ctypes.c_void_p,)
+            lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+            lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
             _lib = lib
             return lib
         raise CudaIpcError(f"the CUDA runtime library is not loadable: {'; '.join(errors)}")
@@ -181,3 +187,29 @@ class ImportedBuffer:
         ptr, self.ptr = self.ptr, None
         with torch.cuda.device(self.device):
             _check(runtime().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+
+class PinnedHost:
+    """`nbytes` of host memory at `addr` (mapped by the caller, page aligned), page-locked
+    and registered with the CUDA driver (cudaHostRegister) for as long as this object
+    is not released: torch's non_blocking copies between it and a GPU are then
+    asynchronous DMA. Every page is made resident by the registration."""
+
+    def __init__(self, addr: int, nbytes: int, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.nbytes = nbytes
+        with torch.cuda.device(self.device):
+            _check(
+                runtime().cudaHostRegister(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 0),
+                "cudaHostRegister",
+            )
+        self.addr: int | None = addr
+
+    def release(self) -> None:
+        """Unregister: only once no queued copy reads or writes the memory, and before
+        it is unmapped."""
+        if self.addr is None:
+            return
+        addr, self.addr = self.addr, None
+        with torch.cuda.device(self.device):
+            _check(runtime().cudaHostUnregister(ctypes.c_void_p(addr)), "cudaHostUnregister")

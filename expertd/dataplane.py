@@ -105,6 +105,11 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
+def round_pages(n: int) -> int:
+    """n bytes rounded up to whole pages."""
+    return _round(n)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Byte offsets of one slot's regions (the same formula on both ends).

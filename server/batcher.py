@@ -40,7 +40,7 @@ import torch
 from expertd import tracing
 from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
-from expertd.server.runner import BatchRunner, Flight
+from expertd.server.runner import FUSED_ROWS, BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
@@ -312,6 +312,10 @@ class Batcher:
         outs = None
         if args[0].x.is_cuda:  # cuda-ipc slots: x read from, out written to device memory
             outs = [j.sink.device_out(j.tokens) for j in jobs]
+        elif self._direct(jobs):  # shm slots, page-locked: copied by DMA from and to them
+            outs = [j.sink.device_out(j.tokens) for j in jobs]
+            if any(o is None for o in outs):
+                outs = None
         return self.runner.launch(
             args[0].layer,
             [a.x for a in args],
@@ -319,6 +323,17 @@ class Batcher:
             [a.weights for a in args],
             outs,
         )
+
+    def _direct(self, jobs: list[Job]) -> bool:
+        """Whether a host batch is copied straight between the callers' slots and the
+        GPU: every job's sink can take its rows in place, and the batch is past the
+        fused graphs' size (below it one packed copy in the graph costs less than a
+        copy per job)."""
+        if self.runner.device.type != "cuda":
+            return False
+        if sum(j.tokens for j in jobs) <= FUSED_ROWS:
+            return False
+        return all(j.sink is not None and getattr(j.sink, "direct", False) for j in jobs)
 
     def _finish(self, jobs: list[Job], flight: Flight, started: int):
         """Wait for the batch's results, then one serialized response (or error) per
@@ -333,7 +348,7 @@ class Batcher:
             for job in jobs:
                 rows = job.tokens
                 if rows and result.bad_rows[row : row + rows].any():
-                    if job.args.x.is_cuda:  # the rows are in the slot's device memory
+                    if flight.placed:  # the rows are in the slot (device or pinned memory)
                         dev = job.sink.device_out(rows).cpu()
                         out_bits = dev.view(torch.int16).numpy().view(np.uint16)
                     else:
@@ -354,7 +369,7 @@ class Batcher:
                     }
                     payload = result.out_bytes[row : row + rows]  # copied once, into the bytes
                     if job.sink is not None:  # into the client's slot, and ring it
-                        job.sink.write_output(payload, timing)
+                        job.sink.write_output(payload, timing, flight.placed)
                         results.append(SENT)
                         done.append(time.perf_counter_ns())
                         row += rows

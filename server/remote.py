@@ -71,7 +71,7 @@ class RemoteSlot:
         w = raw[lay.weights_offset : lay.weights_offset + 4 * m * k].view(torch.float32)
         return x.view(m, hidden), ids.view(m, k), w.view(m, k)
 
-    def write_output(self, rows, timing: dict) -> None:
+    def write_output(self, rows, timing: dict, placed: bool = False) -> None:
         """The partial (bf16 bits, [m, 2H] bytes) into the client's slot, then OK."""
         with self.lock:
             if not self.busy or self.lease.closed:

@@ -101,7 +101,17 @@ class Flight:
     """A launched batch: `wait()` for its results, then `release()` its slot once
     they have been read (its result arrays may be views of the slot's buffers)."""
 
-    __slots__ = ("_host", "_result", "_runner", "_slot", "layout", "m", "stage_ns", "staging")
+    __slots__ = (
+        "_host",
+        "_result",
+        "_runner",
+        "_slot",
+        "layout",
+        "m",
+        "placed",
+        "stage_ns",
+        "staging",
+    )
 
     def __init__(
         self,
@@ -111,12 +121,14 @@ class Flight:
         m: int,
         stage_ns: int,
         staging: HostStaging | None = None,
+        placed: bool = False,
     ) -> None:
         self._runner = runner
         self._slot: _Slot | None = slot
         self.layout = layout  # on CUDA: the layout of the slot's buffers this batch uses
         self.staging = staging  # on CUDA: the slot's host buffers this batch uses
         self.m = m
+        self.placed = placed  # the output rows went into the requests' `outs` directly
         self.stage_ns = stage_ns  # host time spent gathering the requests
         self._result: Result | None = None
         self._host: tuple | None = None  # off the GPU: (state, x, ids, w) for `wait` to run
@@ -229,10 +241,11 @@ class BatchRunner:
     def launch(self, layer: int, xs, ids, ws, outs=None) -> Flight:
         """Start one merged batch (requests' host tensors, in order) in a free slot.
 
-        `outs` (CUDA only; cuda-ipc slots): the requests' x are device tensors and
-        outs[i] (bf16 [rows_i, H] on a device) takes request i's output rows; the
-        result then carries only the NaN/Inf flags, on the host. ids and weights are
-        host tensors either way.
+        `outs` (CUDA only; cuda-ipc slots, page-locked shm slots): outs[i] (bf16
+        [rows_i, H], on a device or in page-locked host memory) takes request i's
+        output rows, and the requests' x (the same kinds of memory) are copied to the
+        device as they are; the result then carries only the NaN/Inf flags, on the
+        host. ids and weights are host tensors either way.
 
         Refuses (RuntimeError) when all `depth` slots hold unreleased batches."""
         start = time.perf_counter_ns()
@@ -251,7 +264,9 @@ class BatchRunner:
             fused = bucket is not None and self.graphs.fused(bucket) and outs is None
             staging = slot.graph_host if fused else slot.host
             staging.pack(layout, xs, ids, ws, with_x=outs is None)
-            flight = Flight(self, slot, layout, m, time.perf_counter_ns() - start, staging)
+            flight = Flight(
+                self, slot, layout, m, time.perf_counter_ns() - start, staging, outs is not None
+            )
             if m == 0:
                 flight._result = Result(
                     np.zeros((0, 2 * self.hidden), np.uint8), np.zeros(0, np.bool_)
@@ -333,11 +348,12 @@ class BatchRunner:
         xs,
         outs,
     ) -> None:
-        """`_enqueue` for device inputs and outputs (cuda-ipc slots): the routes go up
-        from the host buffer, each request's x is copied device to device into the
-        packed input, the graph of the bucket (the one without host copies) or the
-        eager forward runs, then each request's rows are copied device to device into
-        its output and only the NaN/Inf flags come down to the host."""
+        """`_enqueue` for inputs and outputs the copies reach directly (cuda-ipc slots'
+        device memory, page-locked shm slots): the routes go up from the host buffer,
+        each request's x is copied (device to device, or DMA from the host slot) into
+        the packed input, the graph of the bucket (the one without host copies) or the
+        eager forward runs, then each request's rows are copied into its output and
+        only the NaN/Inf flags come down to the host."""
         if bucket is not None:
             dev_in, dev_out = self.graphs.buffers(slot.index)
         else:

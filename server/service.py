@@ -92,6 +92,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         shard_index: int = 0,
         num_shards: int = 1,
         max_inflight: int = 512,
+        pin_slots: bool = True,
     ) -> None:
         self.limits = limits
         self.policy = policy
@@ -105,12 +106,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expertd-compute")
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
+        self._pin_slots = pin_slots
         self._instance = uuid.uuid4().hex  # new for every process start
         self._overload_logged = 0.0  # monotonic time of the last overload log line
         self._overload_quiet = 0  # overload refusals since then, not logged
         # The same-host data plane (server/slots.py); None where this OS has none.
         self.slots: slots.SlotRegistry | None = (
-            slots.SlotRegistry(self, self._instance) if dp.available() else None
+            slots.SlotRegistry(self, self._instance, pin=pin_slots) if dp.available() else None
         )
         # The cross-host data plane (server/remote.py); None without NIXL installed.
         self.remote: remote.RemoteRegistry | None = (
@@ -121,7 +123,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def open_tcp(self, host: str, port: int, receive_timeout_s: float) -> int:
         """Listen for tcp data plane connections on host:port (0: any free port) -> the port."""
-        self.tcp = tcpslots.TcpRegistry(self, host, port, receive_timeout_s)
+        self.tcp = tcpslots.TcpRegistry(self, host, port, receive_timeout_s, self._pin_slots)
         return self.tcp.port
 
     @property

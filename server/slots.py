@@ -52,6 +52,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # How long a waiter spins on req_seq before sleeping in FUTEX_WAIT. A shard waits far more
 # than it works; spinning would take a core from the client and from the other shards.
 WAIT_SPIN_S = 0.0
+PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
 
 
@@ -64,11 +65,67 @@ class _Pending:
     created: float
 
 
+class PinnedRows:
+    """The x and out rows of one host slot (the memory at `base`, in `layout`),
+    page-locked for `device` on demand (cudamem.PinnedHost), so a GPU shard's runner
+    copies a call's rows to and from the GPU by DMA straight from the slot instead of
+    through its staging buffer. The locked prefix of each region grows by doubling
+    from PIN_MIN_ROWS: only rows some call used become resident, and each size is
+    registered once. Used by the one thread running the slot's call; `release` only
+    when no copy of the slot's rows is queued."""
+
+    def __init__(self, base: int, layout: dp.Layout, device) -> None:
+        self.base, self.layout, self.device = base, layout, device
+        self.rows = 0
+        self._ranges: list[cudamem.PinnedHost] = []
+
+    def cover(self, m: int) -> bool:
+        """Lock at least the first m rows of x and out -> False when the driver refused
+        (logged; nothing stays locked, and the caller stops asking)."""
+        if m <= self.rows:
+            return True
+        lay = self.layout
+        rows = PIN_MIN_ROWS
+        while rows < m:
+            rows *= 2
+        rows = min(rows, lay.max_tokens)
+        self.release()
+        span = dp.round_pages(2 * rows * lay.hidden)  # whole pages, inside each region
+        try:
+            for offset in (lay.x_offset, lay.out_offset):
+                self._ranges.append(cudamem.PinnedHost(self.base + offset, span, self.device))
+        except cudamem.CudaIpcError as e:
+            log.warning("slot memory not page-locked, its copies go through staging: %s", e)
+            self.release()
+            return False
+        self.rows = rows
+        return True
+
+    def release(self) -> None:
+        ranges, self._ranges, self.rows = self._ranges, [], 0
+        for r in ranges:
+            try:
+                r.release()
+            except cudamem.CudaIpcError as e:
+                log.warning("slot memory not unregistered: %s", e)
+
+
+def pin_device(servicer, pin: bool):
+    """The GPU whose copies a host slot's rows are page-locked for (None: a CPU shard,
+    a process without the CUDA runtime, or --pin-slots off)."""
+    bank = servicer.bank
+    if not pin or bank is None or bank.backend.device.type != "cuda":
+        return None
+    return bank.backend.device if cudamem.available()[0] else None
+
+
 class Slot:
     """One slot's memory, as this process maps it, and its waiter. A cuda-ipc slot
     (layout.device) also owns a device buffer on `device` holding x and out."""
 
-    def __init__(self, lease: Lease, index: int, fd: int, layout: dp.Layout, device=None) -> None:
+    def __init__(
+        self, lease: Lease, index: int, fd: int, layout: dp.Layout, device=None, pin=None
+    ) -> None:
         self.lease = lease
         self.index = index
         self.layout = layout
@@ -105,6 +162,11 @@ class Slot:
             np.float32
         )
         self._out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h]
+        # A GPU shard's host slot: the rows its calls use are page-locked on demand.
+        self._pins: PinnedRows | None = None
+        if pin is not None and not layout.device:
+            self._pins = PinnedRows(ctypes.addressof(self.ctl), layout, pin)
+        self._out_host = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
         self._ids = torch.empty(mmax * k, dtype=torch.int32)
         self._w = torch.empty(mmax * k, dtype=torch.float32)
         self._ids_np, self._w_np = self._ids.numpy(), self._w.numpy()
@@ -125,12 +187,27 @@ class Slot:
         x = self._x[: m * hidden].view(m, hidden)
         return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
 
+    @property
+    def direct(self) -> bool:
+        """Whether the runner can copy this slot's rows straight between the slot and
+        the GPU (cuda-ipc device regions, or a GPU shard's pinnable host slot)."""
+        return self._out_dev is not None or self._pins is not None
+
     def device_out(self, m: int) -> torch.Tensor | None:
-        """cuda-ipc: the output region's first m rows (bf16 [m, H] on the device), where
-        the runner copies the call's rows; None for a host slot."""
-        if self._out_dev is None:
+        """Where the runner copies the call's m output rows itself (bf16 [m, H]): the
+        cuda-ipc slot's device region, or a GPU shard's host slot once its first m
+        rows of x and out are page-locked; None when the rows come through
+        `write_output` (a host slot that cannot be pinned: it is then never tried
+        again). Called by the one thread running this slot's call."""
+        h = self.layout.hidden
+        if self._out_dev is not None:
+            return self._out_dev[: m * h].view(m, h)
+        if self._pins is None or self.mm is None:
             return None
-        return self._out_dev[: m * self.layout.hidden].view(m, self.layout.hidden)
+        if not self._pins.cover(m):
+            self._pins = None
+            return None
+        return self._out_host[: m * h].view(m, h)
 
     def device_proof(self) -> int:
         """cuda-ipc: the u64 at the start of the output region (the client's nonce)."""
@@ -138,14 +215,14 @@ class Slot:
 
     # -- answering ---------------------------------------------------------------------
 
-    def write_output(self, rows, timing: dict) -> None:
-        """The partial (uint8 [m, 2H] bf16 bits; a cuda-ipc slot has it in its device
-        region already), then OK, then ring (any thread)."""
+    def write_output(self, rows, timing: dict, placed: bool = False) -> None:
+        """The partial (uint8 [m, 2H] bf16 bits; `placed`: the runner copied it into
+        `device_out` already), then OK, then ring (any thread)."""
         with self.lock:
             if self.mm is None or not self.busy:
                 return
             n = rows.shape[0]
-            if n and self._out_dev is None:
+            if n and not placed:
                 self._out[: rows.size] = rows.reshape(-1)
             ctl = self.ctl
             for name, value in timing.items():
@@ -191,8 +268,10 @@ class Slot:
     def _unmap(self) -> None:
         # The tensors of a call view the mmap object (torch keeps it alive): the mapping
         # goes with the last of them; ctl's export must go first.
+        if self._pins is not None:  # before the mapping can go
+            self._pins.release()
         self.ctl = None
-        self._x = self._ids_in = self._w_in = self._out = self._out_dev = None
+        self._x = self._ids_in = self._w_in = self._out = self._out_dev = self._out_host = None
         self.mm = None
         if self.dev is not None:  # answered: no queued copy reads or writes it any more
             dev, self.dev = self.dev, None
@@ -234,8 +313,9 @@ class Lease:
 class SlotRegistry:
     """Every lease of one server, its unix socket and its threads."""
 
-    def __init__(self, servicer, instance_id: str) -> None:
+    def __init__(self, servicer, instance_id: str, pin: bool = True) -> None:
         self.servicer = servicer
+        self.pin = pin  # page-lock a GPU shard's host slots for its copies (PinnedHost)
         self.instance_id = instance_id
         self.name = f"expertd-{instance_id[:12]}-{secrets.token_hex(6)}"
         self._pending: dict[bytes, _Pending] = {}
@@ -361,7 +441,16 @@ class SlotRegistry:
                 )
                 fds.append(fd)
                 try:
-                    lease.slots.append(Slot(lease, i, fd, pending.layout, device))
+                    lease.slots.append(
+                        Slot(
+                            lease,
+                            i,
+                            fd,
+                            pending.layout,
+                            device,
+                            pin_device(self.servicer, self.pin),
+                        )
+                    )
                 except cudamem.CudaIpcError as e:  # out of device memory, most likely
                     raise ValueError(f"no device memory for the slots: {e}") from None
             socket.send_fds(conn, [dp.FDS + pending.lease_id.encode()], fds)

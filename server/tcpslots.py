@@ -8,7 +8,10 @@ the slot's buffers (x, ids, weights at a `dataplane.Layout`'s offsets), checks i
 as Forward does (server/validate.py) and runs it on the batcher: on this thread
 when the batcher is idle, queued on the event loop otherwise, where it batches
 with every other call. The finisher copies the slot's rows into the slot's output
-buffer (the runner's buffer is reused at once); this thread sends the answer. A
+buffer (the runner's buffer is reused at once); on a GPU shard, a call past the
+fused graphs' size has its rows copied by DMA straight between the slot's
+page-locked buffers and the GPU instead (server/slots.py `PinnedRows`). This
+thread sends the answer. A
 client that stops reading stalls only its own connection, never the batcher: a
 send that cannot finish within the receive timeout ends the lease.
 
@@ -34,6 +37,7 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import rawtcp
+from expertd.server.slots import PinnedRows, pin_device
 from expertd.server.validate import invalid
 
 log = logging.getLogger("expertd.server")
@@ -58,7 +62,9 @@ class _Pending:
 class TcpSlot:
     """One slot: its connection, its buffers, its thread. The batcher's sink."""
 
-    def __init__(self, lease: TcpLease, index: int, conn: socket.socket, layout: dp.Layout):
+    def __init__(
+        self, lease: TcpLease, index: int, conn: socket.socket, layout: dp.Layout, pin=None
+    ):
         self.lease = lease
         self.index = index
         self.conn = conn
@@ -69,6 +75,10 @@ class TcpSlot:
         self._ids = self.buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k]
         self._w = self.buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k]
         self._out = self.buf[layout.out_offset : layout.out_offset + 2 * mmax * h]
+        # A GPU shard: the rows its calls use are page-locked on demand, for DMA.
+        self._pins = None if pin is None else PinnedRows(self.buf.ctypes.data, layout, pin)
+        self._out_host = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
+        self._ended = False  # the connection's thread is done: unlock once answered
         self.lock = threading.Lock()
         self.busy = False
         self.seq = 0
@@ -91,25 +101,56 @@ class TcpSlot:
         w = torch.from_numpy(self._w[: 4 * m * k]).view(torch.float32).view(m, k)
         return x, ids, w
 
-    def device_out(self, m: int):
-        return None  # host buffers: the runner's rows come through write_output
+    @property
+    def direct(self) -> bool:
+        """Whether the runner may copy this slot's rows straight to and from the GPU."""
+        return self._pins is not None
+
+    def device_out(self, m: int) -> torch.Tensor | None:
+        """The output buffer's first m rows (bf16 [m, H]) once x's and out's first m
+        rows are page-locked, for the runner to copy into; None when the rows come
+        through `write_output` (a CPU shard, or the driver refused the lock)."""
+        if self._pins is None:
+            return None
+        if not self._pins.cover(m):
+            self._pins = None
+            return None
+        h = self.layout.hidden
+        return self._out_host[: m * h].view(m, h)
+
+    def end(self) -> None:
+        """The connection's thread is done: unlock the rows now, or once the call in
+        flight is answered (its copies may still be queued)."""
+        with self.lock:
+            self._ended = True
+            if not self.busy:
+                self._unlock()
+
+    def _unlock(self) -> None:
+        if self._pins is not None:
+            self._pins.release()
+            self._pins = None
 
     # -- the batcher's sink (any thread) -----------------------------------------------
 
-    def write_output(self, rows, timing: dict) -> None:
-        """The partial (uint8 [m, 2H] bf16 bits) into the output buffer, then OK."""
+    def write_output(self, rows, timing: dict, placed: bool = False) -> None:
+        """The partial (uint8 [m, 2H] bf16 bits; `placed`: the runner copied it into
+        `device_out` already) into the output buffer, then OK."""
         with self.lock:
             if not self.busy:
                 return
             data = np.asarray(rows).reshape(-1)
             n = data.shape[0]
-            self._out[:n] = data
+            if not placed:
+                self._out[:n] = data
             self._rows_bytes = n
             rows_n = n // (2 * self.layout.hidden)
             values = [int(timing.get(name, 0)) for name in dp.TIMING_FIELDS]
             self._answer = rawtcp.ANSWER.pack(self.seq, 0, rows_n, 0, *values)
             self._error = b""
             self.busy = False
+            if self._ended:
+                self._unlock()
             self.ready.set()
 
     def write_error(self, code: grpc.StatusCode, message: str) -> None:
@@ -122,6 +163,8 @@ class TcpSlot:
             self._error = text
             self._rows_bytes = 0
             self.busy = False
+            if self._ended:
+                self._unlock()
             self.ready.set()
 
     def begin(self, seq: int) -> None:
@@ -163,8 +206,11 @@ class TcpLease:
 class TcpRegistry:
     """Every tcp lease of one server: its listening socket and its threads."""
 
-    def __init__(self, servicer, host: str, port: int, receive_timeout_s: float = 30.0):
+    def __init__(
+        self, servicer, host: str, port: int, receive_timeout_s: float = 30.0, pin: bool = True
+    ):
         self.servicer = servicer
+        self.pin = pin  # page-lock a GPU shard's slot rows for its copies (PinnedRows)
         self.receive_timeout_s = receive_timeout_s
         self._pending: dict[bytes, _Pending] = {}
         self.leases: dict[str, TcpLease] = {}
@@ -258,6 +304,7 @@ class TcpRegistry:
         finally:
             if slot is not None:
                 slot.lease.close()
+                slot.end()
             conn.close()
             with self._lock:
                 self._connections -= 1
@@ -283,7 +330,7 @@ class TcpRegistry:
                 del self._pending[token]
             if lease.closed:
                 raise ValueError("the lease ended during registration")
-            slot = TcpSlot(lease, index, conn, pending.layout)
+            slot = TcpSlot(lease, index, conn, pending.layout, pin_device(self.servicer, self.pin))
             lease.slots[index] = slot
             new = lease.lease_id not in self.leases
             self.leases[lease.lease_id] = lease

@@ -86,6 +86,34 @@ def test_cuda_ipc_errors_reach_the_caller_and_the_shard_keeps_serving(shards):
         assert out.shape == x.shape and bool(torch.isfinite(out.float()).all())
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_host_slots_of_gpu_shards_match_grpc_bit_for_bit(shards, transport):
+    """A CPU caller's shm or tcp slots on GPU shards: from M = 65 the shard copies x
+    and out by DMA straight from the page-locked slot (the locked rows grow 256 -> 512
+    -> 1024 -> 2048 here); below that through its staging buffer. Both give gRPC's
+    bits, an Inf on the direct path still reaches its caller and the shard keeps
+    serving."""
+    addresses = [s.address for s in shards]
+    with (
+        ExpertClient(addresses, transport=transport) as client,
+        ExpertClient(addresses, transport="grpc") as ref,
+    ):
+        assert {v["transport"] for v in client.stats().values()} == {transport}
+        for m in (1, 64, 65, 300, 700, 2000, 300):
+            x, ids, w = (t.cpu() for t in _inputs(m, seed=m))
+            got = client.forward(1, x, ids, w)
+            want = ref.forward(1, x, ids, w)
+            assert got.device.type == "cpu"
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
+        x, ids, w = (t.cpu() for t in _inputs(300, seed=9))
+        bad = x.clone()
+        bad[200, 3] = float("inf")
+        with pytest.raises(ShardCallError) as info:
+            client.forward(0, bad, ids, w)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert torch.equal(client.forward(0, x, ids, w), ref.forward(0, x, ids, w))
+
+
 def test_cuda_ipc_dead_shard_is_seen_within_the_deadline():
     procs = [
         start_shard([*("--synthetic", PRESET, "--layers", "1"), "--device", "cuda", "--grace", "0"])
