@@ -383,7 +383,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--shards", default="1,8")
     ap.add_argument("--transports", default=None, help="default: grpc,shm (+cuda-ipc on CUDA)")
-    ap.add_argument("--kind", default="nvidia-h200" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--kind",
+        default=None,
+        help="the machine's name in the results (default: the GPU's, or cpu)",
+    )
     ap.add_argument(
         "--serve-args",
         default="",
@@ -396,6 +400,9 @@ def main() -> int:
         help="shards (and the echo floors' far ends) in another network namespace, over a veth",
     )
     args = ap.parse_args()
+    if args.kind is None:  # e.g. nvidia-h100-80gb-hbm3, as benchmarks/gpu_check.sh names it
+        name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+        args.kind = "-".join(name.lower().split())
     far = None
     if args.netns:
         try:
