@@ -310,11 +310,11 @@ class Batcher:
     def _start(self, jobs: list[Job]) -> Flight:
         args = [j.args for j in jobs]
         outs = None
-        if args[0].x.is_cuda:  # cuda-ipc slots: x read from, out written to device memory
+        # cuda-ipc slots (x on the device) or page-locked host slots: the runner copies
+        # x from and the rows into the callers' slots itself
+        if args[0].x.is_cuda or self._direct(jobs):
             outs = [j.sink.device_out(j.tokens) for j in jobs]
-        elif self._direct(jobs):  # shm slots, page-locked: copied by DMA from and to them
-            outs = [j.sink.device_out(j.tokens) for j in jobs]
-            if any(o is None for o in outs):
+            if any(o is None for o in outs):  # a host slot the driver would not lock
                 outs = None
         return self.runner.launch(
             args[0].layer,

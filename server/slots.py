@@ -52,8 +52,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # How long a waiter spins on req_seq before sleeping in FUTEX_WAIT. A shard waits far more
 # than it works; spinning would take a core from the client and from the other shards.
 WAIT_SPIN_S = 0.0
-PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
+PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 
 
 @dataclass(slots=True)
