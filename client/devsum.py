@@ -89,13 +89,17 @@ class DeviceSum:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.stream = _stream(self.device)
-        # room for the rows, and for the alignment of up to 64 answers
-        self._host = _POOL.take(rows * (2 * hidden_size + 8) + 128 * _ALIGN, self.pin)
+        # room for the rows, and for the alignment of up to 64 answers; taken when the
+        # first host answer is staged (answers already on the GPU need none)
+        self._rows = rows
+        self._host: torch.Tensor | None = None
         self._extra: list[torch.Tensor] = []  # pinned buffers of answers that did not fit
         self._used = 0
         self._staged: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     def _region(self, nbytes: int) -> torch.Tensor:
+        if self._host is None:
+            self._host = _POOL.take(self._rows * (2 * self.h + 8) + 128 * _ALIGN, self.pin)
         start = self._used
         if start + nbytes <= self._host.numel():
             self._used = _aligned(start + nbytes)
@@ -174,17 +178,19 @@ class DeviceSum:
                 out.copy_(total)  # round to nearest even, as .to(bfloat16)
             if self.stream is not None:
                 self.stream.synchronize()  # done: the caller's streams may read it, buffers reusable
+            self._staged.clear()  # nothing of them is queued any more
             return out
         finally:
             self.close()
 
     def close(self) -> None:
         """Give the pinned buffer back (once the copies that read it are done)."""
-        if self._host is None:
+        if self._host is None and not self._staged:
             return
         if self.stream is not None:
             self.stream.synchronize()
-        _POOL.give(self._host)
-        self._host = None
+        if self._host is not None:
+            _POOL.give(self._host)
+            self._host = None
         self._extra.clear()
         self._staged.clear()

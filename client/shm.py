@@ -47,10 +47,16 @@ SPIN_S = 30e-6
 # spun on right after the ring: the shard's waiter is woken on this CPU as often as not,
 # and a spinning caller keeps it from running there (measured on the 2-core machine: the
 # shard saw the doorbell 30 - 65 us later when the caller spun). The caller sleeps instead
-# until SPIN_EARLY_S before the answer is due (the slot's recent answer time), then spins
-# for it, at most SPIN_EARLY_S + SPIN_S, then sleeps again until it comes.
+# until SPIN_EARLY_S before the answer is due (the shortest of the slot's recent answer
+# times: answers jitter by more than SPIN_EARLY_S, and an answer that comes while the
+# caller sleeps costs a wake-up, 80 us on the 2-core machine), then spins for it, at most
+# SPIN_EARLY_S + SPIN_S, then sleeps again until it comes.
+# In a process with spare CPUs (dp.spare_cpus) the caller also spins through its answers'
+# recent jitter (the longest minus the shortest answer time, at most SPIN_JITTER_S), and
+# right after the ring for as long as its recent answers took, if under SLEEP_FIRST_S.
 SLEEP_FIRST_S = 150e-6
 SPIN_EARLY_S = 80e-6
+SPIN_JITTER_S = 500e-6
 EOF_CHECK_S = 0.02  # while sleeping, how often the lease socket is checked for its end
 MAX_SLOTS = 8  # slots per replica: calls beyond this many at once use gRPC
 SLOTS_PER_LEASE = 2
@@ -113,7 +119,7 @@ class Slot:
         self.seq = 0
         self.rows = 0  # rows of the call in flight / last answered
         self.rung = 0.0  # time.monotonic() of the last ring
-        self.expect_s = 0.0  # how long answers take: a running mean of ring -> seen answered
+        self.took = dp.Recent()  # how long answers take: ring -> seen answered
         self.channel: ShmChannel | None = None
         self.held = False  # taken by a call (its answer may still be read)
 
@@ -175,19 +181,22 @@ class Slot:
         the lease's end (StreamCallError UNAVAILABLE)."""
         ctl, old = self.ctl, (self.seq - 1) & 0xFFFFFFFF
         spin = SPIN_S
-        if self.expect_s > SLEEP_FIRST_S and ctl.resp_seq == old:
-            due = self.rung + self.expect_s - SPIN_EARLY_S
+        early, late = self.took.low(), self.took.high()
+        if early > SLEEP_FIRST_S and ctl.resp_seq == old:
+            due = self.rung + early - SPIN_EARLY_S
             if time.monotonic() < due:  # asleep until shortly before the answer is due
                 dp.wait_word(ctl, "resp_seq", self.resp_addr, old, min(due, deadline), 0.0)
             spin = SPIN_EARLY_S + SPIN_S
+            if dp.spare_cpus():
+                spin += min(late - early, SPIN_JITTER_S)
+        elif dp.spare_cpus():
+            spin = min(late, early + SPIN_JITTER_S) + SPIN_S
         while True:
             now = time.monotonic()
             until = min(deadline, now + EOF_CHECK_S)
             if dp.wait_word(ctl, "resp_seq", self.resp_addr, old, until, spin):
                 if self.answered():
-                    took = time.monotonic() - self.rung
-                    e = self.expect_s
-                    self.expect_s = took if e == 0.0 else e + (took - e) / 4
+                    self.took.add(time.monotonic() - self.rung)
                     return True
                 old = ctl.resp_seq  # an answer to an older, abandoned call
                 continue

@@ -211,6 +211,7 @@ class _Timespec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during each call
 _syscall = _libc.syscall
+_sched_yield = _libc.sched_yield
 _syscall.restype = ctypes.c_long
 
 
@@ -252,6 +253,50 @@ def futex_wake(addr: int) -> None:
     )
 
 
+# Waiters spin longer (a shard's waiter keeps its slots' pace, a caller spins through its
+# answers' jitter) only in a process allowed this many CPUs or more: with fewer, spinning
+# takes the cores that the shards and the client beside it need (8 shards and a client on
+# 2 cores).
+SPARE_CPUS = 4
+_SPARE: bool | None = None
+
+
+def spare_cpus() -> bool:
+    """May this process's waiters spin for longer (SPARE_CPUS)?"""
+    global _SPARE
+    if _SPARE is None:
+        _SPARE = len(os.sched_getaffinity(0)) >= SPARE_CPUS
+    return _SPARE
+
+
+class Recent:
+    """The last few durations of something that recurs (a slot's answer time, the gap
+    before its next call), to wake a sleeping waiter shortly before the next one is
+    due: `low()` is the shortest of them (0.0 before the first), so the waiter is up
+    before nearly every arrival even when they jitter; a single slow one does not
+    move it."""
+
+    __slots__ = ("_i", "_v")
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self._v: list[float] = []
+        self._i = 0
+
+    def add(self, seconds: float) -> None:
+        if len(self._v) < self.SIZE:
+            self._v.append(seconds)
+        else:
+            self._v[self._i] = seconds
+            self._i = (self._i + 1) % self.SIZE
+
+    def low(self) -> float:
+        return min(self._v) if self._v else 0.0
+
+    def high(self) -> float:
+        return max(self._v) if self._v else 0.0
+
+
 def wait_word(
     ctl: Control, field: str, addr: int, old: int, deadline: float | None, spin_s: float
 ) -> bool:
@@ -264,6 +309,7 @@ def wait_word(
     while now < spin_end:
         if getattr(ctl, field) != old:
             return True
+        _sched_yield()  # the GIL and this core to whoever waits for them, if anyone does
         now = time.monotonic()
     while True:
         if getattr(ctl, field) != old:

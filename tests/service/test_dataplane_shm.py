@@ -374,3 +374,36 @@ def test_cuda_ipc_is_refused_by_a_cpu_shard_with_reasons(bank_all):
             assert auto.forward(0, x, ids, w).shape == (2, 512)
             (stats,) = auto.stats().values()
             assert stats["transport"] == "shm"
+
+
+def test_paced_waiters_answer_every_call_whatever_the_gaps(bank_all, monkeypatch):
+    """With spare CPUs, a shard's waiter sleeps until shortly before the next call is due
+    and the caller spins through its answers' jitter (dp.spare_cpus): forced on here (the
+    CI machine has 2 cores), calls at a steady pace, then after pauses longer than the
+    learned one and shorter ones, are all answered with the gRPC path's bits."""
+    monkeypatch.setattr(dp, "_SPARE", True)
+    gen = torch.Generator().manual_seed(21)
+    with BackgroundServer(shard_config(0, **ALL), bank=bank_all) as server:
+        assert server.servicer.slots.keep_pace
+        with (
+            ExpertClient([server.address], transport="shm") as shm,
+            ExpertClient([server.address], transport="grpc") as rpc,
+        ):
+            calls = [(hidden(m, gen), *routing(m, gen)) for m in (1, 4, 33)]
+            want = [rpc.forward(0, *c) for c in calls]
+            for gap in [0.0] * 40 + [0.05, 0.0, 0.0, 0.6, 0.0, 0.002, 0.0, 0.0003, 0.0]:
+                time.sleep(gap)
+                for c, b in zip(calls, want, strict=True):
+                    assert torch.equal(bits(shm.forward(0, *c, timeout=10)), bits(b))
+            assert next(iter(shm.stats().values()))["transport"] == "shm"
+
+
+def test_recent_durations_keep_the_extremes_of_the_last_eight():
+    recent = dp.Recent()
+    assert (recent.low(), recent.high()) == (0.0, 0.0)
+    for v in (5.0, 3.0, 9.0):
+        recent.add(v)
+    assert (recent.low(), recent.high()) == (3.0, 9.0)
+    for v in range(10, 18):  # eight newer ones push the first three out
+        recent.add(float(v))
+    assert (recent.low(), recent.high()) == (10.0, 17.0)
