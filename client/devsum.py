@@ -164,18 +164,25 @@ class DeviceSum:
             out = torch.empty((self.m, self.h), dtype=torch.bfloat16, device=self.device)
             if self.stream is not None:  # out's memory may have been in use there until now
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            staged = [self._staged[id(p)] for p in pieces if id(p) in self._staged]
             with self._on_stream():
-                total = torch.zeros((self.m, self.h), dtype=torch.float32, device=self.device)
-                for piece in sorted(pieces, key=lambda p: p.shard):  # stable: combine's order
-                    staged = self._staged.get(id(piece))
-                    if staged is None:  # an empty answer
-                        continue
-                    tokens, bits = staged
-                    if tokens is None:
-                        total.add_(bits.float())
-                    else:
-                        total.index_add_(0, tokens, bits.float())
-                out.copy_(total)  # round to nearest even, as .to(bfloat16)
+                if self.stream is not None and len(staged) == 1 and staged[0][0] is None:
+                    # one answer with every row (one shard, or all routes on one): 0.0f + it,
+                    # rounded back, in one kernel (CUDA's bf16 add computes in float32 and
+                    # rounds as .to(bfloat16): -0 -> +0, NaN -> 0x7FC0, as the host sum)
+                    torch.add(staged[0][1], 0.0, out=out)
+                else:
+                    total = torch.zeros((self.m, self.h), dtype=torch.float32, device=self.device)
+                    for piece in sorted(pieces, key=lambda p: p.shard):  # stable: combine's order
+                        entry = self._staged.get(id(piece))
+                        if entry is None:  # an empty answer
+                            continue
+                        tokens, bits = entry
+                        if tokens is None:
+                            total.add_(bits.float())
+                        else:
+                            total.index_add_(0, tokens, bits.float())
+                    out.copy_(total)  # round to nearest even, as .to(bfloat16)
             if self.stream is not None:
                 self.stream.synchronize()  # done: the caller's streams may read it, buffers reusable
             self._staged.clear()  # nothing of them is queued any more

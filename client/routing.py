@@ -242,7 +242,7 @@ class RouteTable:
         """-> (one part per shard with routes, experts no shard owns): the same parts as
         split_routes and the same list as missing_experts, for host int32 ids and float32
         weights."""
-        if self._sole is not None and topk_ids.numel() > SMALL_ROUTES:
+        if self._sole is not None and topk_ids.numel():
             ids = topk_ids.numpy()
             if ids.min() >= 0:  # no padded route: the one part is the call as it is
                 m = ids.shape[0]

@@ -274,7 +274,8 @@ class BatchRunner:
             else:
                 queued = True
                 if outs is not None:
-                    self._enqueue_device(slot, layer, state, layout, bucket, m, xs, outs)
+                    alone = self._slots.free == self.depth - 1  # no other batch in flight
+                    self._enqueue_device(slot, layer, state, layout, bucket, m, xs, outs, alone)
                 else:
                     self._enqueue(slot, layer, state, layout, bucket, m, fused)
             return flight
@@ -347,20 +348,28 @@ class BatchRunner:
         m: int,
         xs,
         outs,
+        alone: bool = False,
     ) -> None:
         """`_enqueue` for inputs and outputs the copies reach directly (cuda-ipc slots'
         device memory, page-locked shm slots): the routes go up from the host buffer,
         each request's x is copied (device to device, or DMA from the host slot) into
         the packed input, the graph of the bucket (the one without host copies) or the
         eager forward runs, then each request's rows are copied into its output and
-        only the NaN/Inf flags come down to the host."""
+        only the NaN/Inf flags come down to the host.
+
+        `alone` (no other batch in flight): nothing to overlap with, so every step is
+        queued on the compute stream in order, without the three streams' events and
+        waits (a handful of host calls of a call that is mostly host time when small)."""
         if bucket is not None:
             dev_in, dev_out = self.graphs.buffers(slot.index)
         else:
             dev_in, dev_out = slot.eager_buffers(layout, self.device)
         x_dev, _, _ = layout.inputs(dev_in)
         out_dev, _ = layout.outputs(dev_out)
-        with torch.cuda.stream(self._upload):
+        upload, download = (
+            (self._compute, self._compute) if alone else (self._upload, self._download)
+        )
+        with torch.cuda.stream(upload):
             dev_in[: layout.x_offset].copy_(slot.host.input[: layout.x_offset], non_blocking=True)
             row = 0
             for x in xs:
@@ -368,18 +377,22 @@ class BatchRunner:
                 if rows:
                     x_dev[row : row + rows].copy_(x, non_blocking=True)
                     row += rows
-            slot.uploaded.record()
+            if not alone:
+                slot.uploaded.record()
         with torch.cuda.stream(self._compute):
-            self._compute.wait_event(slot.uploaded)
+            if not alone:
+                self._compute.wait_event(slot.uploaded)
             if bucket is not None:
                 self.graphs.replay(layer, bucket, slot.index, plain=True)
             else:
                 x, i, w = layout.inputs(dev_in)
                 out, bad = layout.outputs(dev_out)
                 forward_checked(self.bank.backend, state, x, i, w, out, bad)
-            slot.computed.record()
-        with torch.cuda.stream(self._download):
-            self._download.wait_event(slot.computed)
+            if not alone:
+                slot.computed.record()
+        with torch.cuda.stream(download):
+            if not alone:
+                download.wait_event(slot.computed)
             flags = layout.out_offset
             slot.host.output[:flags].copy_(dev_out[:flags], non_blocking=True)
             row = 0

@@ -94,3 +94,17 @@ def test_device_sum_reads_slot_answers_and_refuses_malformed_ones(device):
     with pytest.raises(ValueError, match="shape"):
         sums.stage(bad)
     sums.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 64, 333])
+def test_device_sum_of_one_answer_already_on_the_gpu_gives_the_host_bits(m):
+    """A cuda-ipc slot's answer holding every row is summed in one kernel (0.0 + it,
+    rounded back): -0, NaN payloads and infinities come out as the host sum writes them."""
+    h = 512
+    piece = make_pieces(m, h, 1, seed=40 + m, full=(0,), special=0.1)[0]
+    host = np.frombuffer(piece.output.data, np.uint16).reshape(m, h).copy()
+    on_gpu = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16).cuda()
+    got = device_sum(m, h, [Piece(0, piece.tokens, on_gpu)], "cuda")
+    assert_same(got, reference(m, h, [piece]))
