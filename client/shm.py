@@ -119,6 +119,7 @@ class Slot:
         self.seq = 0
         self.rows = 0  # rows of the call in flight / last answered
         self.rung = 0.0  # time.monotonic() of the last ring
+        self.ring_ns = 0  # time.monotonic_ns() of the last ring, just before it
         self.took = dp.Recent()  # how long answers take: ring -> seen answered
         self.channel: ShmChannel | None = None
         self.held = False  # taken by a call (its answer may still be read)
@@ -169,6 +170,8 @@ class Slot:
         """The doorbell of the call written by `start`."""
         ctl = self.ctl
         self.seq = (ctl.req_seq + 1) & 0xFFFFFFFF
+        ctl.seen_ns = 0  # the shard's, for this call (an older shard leaves it 0)
+        self.ring_ns = time.monotonic_ns()
         ctl.req_seq = self.seq  # after the data: the shard reads it only once it sees this
         dp.futex_wake(self.req_addr)
         self.rung = time.monotonic()
@@ -227,7 +230,17 @@ class Slot:
         return self.out[: rows * h].reshape(rows, h)
 
     def timing(self) -> dict:
-        return {name: getattr(self.ctl, name) for name in dp.TIMING_FIELDS}
+        """The shard's Timing of the answered call, and (when it stamped the call) the
+        two wake-ups: `doorbell_us`, the ring -> the shard's waiter running, and
+        `wake_us`, the shard's answer -> now (the caller has just seen it)."""
+        ctl = self.ctl
+        out = {name: getattr(ctl, name) for name in dp.TIMING_FIELDS}
+        seen, answered = ctl.seen_ns, ctl.answered_ns
+        now = time.monotonic_ns()
+        if self.ring_ns <= seen <= answered <= now:
+            out["doorbell_us"] = (seen - self.ring_ns) / 1000
+            out["wake_us"] = (now - answered) / 1000
+        return out
 
     def unmap(self) -> None:
         if self.ctl is None:

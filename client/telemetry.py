@@ -12,6 +12,8 @@ in the histogram `expertd_client_stage_seconds{stage}`. The stages:
     server_queue    of which waiting for the batch to start
     server_compute  of which the merged forward
     transfer        rpc - server: the wire both ways, the event loops, the waits
+    doorbell        of which, same-host slots: the ring -> the shard's waiter running
+    wake            of which, same-host slots: the shard's answer -> the caller seeing it
     decode          an answer's bytes to a view (gRPC; grpc's deserializer, timed)
     sum             the shards' partials summed into the result
     call            route + fan-out + sum, the whole call after staging
@@ -34,6 +36,8 @@ STAGES = (
     "server_queue",
     "server_compute",
     "transfer",
+    "doorbell",
+    "wake",
     "decode",
     "sum",
     "call",
@@ -81,6 +85,9 @@ class Telemetry:
         self.add("server_queue", queue * 1000)
         self.add("server_compute", compute * 1000)
         self.add("transfer", max(rpc_ns - total * 1000, 0))
+        if isinstance(timing, dict) and "doorbell_us" in timing:
+            self.add("doorbell", int(timing["doorbell_us"] * 1000))
+            self.add("wake", int(timing["wake_us"] * 1000))
 
     def timed(self, stage: str, fn):
         """`fn` (one argument), its time added to `stage` on every call."""
@@ -113,8 +120,12 @@ def transfer_attributes(sent_ns: int, timing) -> dict:
     if timing is None:
         return {"expertd.rpc_us": rpc_us}
     total = timing["total_us"] if isinstance(timing, dict) else timing.total_us
-    return {
+    attrs = {
         "expertd.rpc_us": rpc_us,
         "expertd.server_us": total,
         "expertd.transfer_us": max(rpc_us - total, 0),
     }
+    if isinstance(timing, dict) and "doorbell_us" in timing:  # a same-host slot's wake-ups
+        attrs["expertd.doorbell_us"] = round(timing["doorbell_us"], 1)
+        attrs["expertd.wake_us"] = round(timing["wake_us"], 1)
+    return attrs

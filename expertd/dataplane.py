@@ -83,6 +83,11 @@ class Control(ctypes.Structure):
         ("span_id", ctypes.c_uint64),
         ("trace_flags", ctypes.c_uint32),
         ("_pad1", ctypes.c_uint32),
+        # when the shard's waiter saw the doorbell, and when it rang the answer
+        # (CLOCK_MONOTONIC ns, time.monotonic_ns: one clock for every process of a host),
+        # so the caller can tell the two wake-ups from the shard's own time
+        ("seen_ns", ctypes.c_uint64),
+        ("answered_ns", ctypes.c_uint64),
     )
 
 

@@ -258,6 +258,7 @@ class Slot:
         it asked to be told); the slot takes its next call. Under self.lock."""
         ctl = self.ctl
         notify = ctl.flags & dp.FLAG_NOTIFY
+        ctl.answered_ns = time.monotonic_ns()
         ctl.resp_seq = self.seq
         dp.futex_wake(self.resp_addr)
         self.busy = False
@@ -546,6 +547,7 @@ class SlotRegistry:
                 gaps.add(time.monotonic() - answered)
             took = True
             last = ctl.req_seq
+            ctl.seen_ns = time.monotonic_ns()
             received = time.perf_counter_ns()
             with slot.lock:
                 if slot.mm is None:

@@ -407,3 +407,24 @@ def test_recent_durations_keep_the_extremes_of_the_last_eight():
     for v in range(10, 18):  # eight newer ones push the first three out
         recent.add(float(v))
     assert (recent.low(), recent.high()) == (10.0, 17.0)
+
+
+def test_shm_calls_time_both_wake_ups(bank_all):
+    """The shard stamps when its waiter saw the doorbell and when it answered (one
+    clock for every process of a host): the caller's timings split the transfer into
+    the doorbell and the wake-up, on its own thread and on the event loop alike."""
+    gen = torch.Generator().manual_seed(31)
+    server = BackgroundServer(shard_config(0, **ALL), bank=bank_all)
+    with server, ExpertClient([server.address], transport="shm") as client:
+        x = hidden(3, gen)
+        ids, w = routing(3, gen)
+        for _ in range(5):
+            client.forward(0, x, ids, w)  # the caller's thread
+            client.submit(0, x, ids, w).result()  # the event loop
+        t = client.timings()
+        last = next(iter(client.stats().values()))["last_timing"]
+    for stage in ("doorbell", "wake"):
+        assert t[stage]["count"] == 10, t
+        assert 0 < t[stage]["mean_us"] < t["transfer"]["mean_us"], t
+    assert last["doorbell_us"] > 0
+    assert 0 < last["wake_us"] < 1e6
