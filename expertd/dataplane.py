@@ -259,18 +259,46 @@ def futex_wake(addr: int) -> None:
 
 
 # Waiters spin longer (a shard's waiter keeps its slots' pace, a caller spins through its
-# answers' jitter) only in a process allowed this many CPUs or more: with fewer, spinning
-# takes the cores that the shards and the client beside it need (8 shards and a client on
-# 2 cores).
+# answers' jitter) only in a process with this many usable CPUs or more (`usable_cpus`):
+# with fewer, spinning takes the cores that the shards and the client beside it need (8
+# shards and a client on 2 cores).
 SPARE_CPUS = 4
 _SPARE: bool | None = None
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"
+
+
+def cpu_quota(v2: str = CGROUP_V2_CPU_MAX, v1: str = CGROUP_V1_CPU) -> float | None:
+    """The CPUs this process's cgroup may use by its CFS quota (a container's CPU
+    limit: its affinity still lists every core of the host), or None: no quota."""
+    try:
+        with open(v2) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{v1}/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open(f"{v1}/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> float:
+    """CPUs this process may run on: its affinity, capped by its cgroup's quota."""
+    n = float(len(os.sched_getaffinity(0)))
+    quota = cpu_quota()
+    return n if quota is None else min(n, quota)
 
 
 def spare_cpus() -> bool:
-    """May this process's waiters spin for longer (SPARE_CPUS)?"""
+    """May this process's waiters spin for longer (SPARE_CPUS usable CPUs or more)?"""
     global _SPARE
     if _SPARE is None:
-        _SPARE = len(os.sched_getaffinity(0)) >= SPARE_CPUS
+        _SPARE = usable_cpus() >= SPARE_CPUS
     return _SPARE
 
 

@@ -428,3 +428,24 @@ def test_shm_calls_time_both_wake_ups(bank_all):
         assert 0 < t[stage]["mean_us"] < t["transfer"]["mean_us"], t
     assert last["doorbell_us"] > 0
     assert 0 < last["wake_us"] < 1e6
+
+
+def test_a_containers_cpu_quota_caps_the_cpus_waiters_count_on(tmp_path):
+    """Waiters spin longer only with spare CPUs; a container's limit is a CFS quota
+    (its affinity still lists every core of the host), read from cgroup v2 or v1."""
+    v2 = tmp_path / "cpu.max"
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    none = str(tmp_path / "absent")
+    v2.write_text("max 100000\n")
+    assert dp.cpu_quota(str(v2), none) is None
+    v2.write_text("250000 100000\n")
+    assert dp.cpu_quota(str(v2), none) == 2.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert dp.cpu_quota(none, str(v1)) is None
+    (v1 / "cpu.cfs_quota_us").write_text("300000\n")
+    assert dp.cpu_quota(none, str(v1)) == 3.0
+    assert dp.cpu_quota(none, none) is None
+    v2.write_text("garbage\n")
+    assert dp.cpu_quota(str(v2), none) is None
