@@ -17,7 +17,10 @@ between two processes, a grpc.aio stream echo of the same bytes, a futex doorbel
 round trip through shared memory between two processes, with NIXL installed a NIXL
 echo (the call's bytes WRITten with a notification, the partial's bytes WRITten back
 with one, between two processes' agents) and (CUDA) a device-to-device copy of the
-same bytes. Prints a table last; writes JSON + PNG only with --out.
+same bytes. Prints a table last, then where each row's calls went: the client's
+stages (client/telemetry.py: staging, routing, the shard's queue and forward, the
+transfer and, for same-host slots, its two wake-ups, the sum), mean us per call;
+writes JSON + PNG only with --out.
 
 --netns starts the shards in another network namespace, reached over a veth pair
 (benchmarks/netns.py: a second host on this machine, root only): the client stays
@@ -336,6 +339,7 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
     for i in range(max(5, reps // 10)):
         client.forward(0, *inputs[i % 4])
     e2e, busiest, total, overhead = [], [], [], []
+    before = client.timings()
     for i in range(reps):
         for ep in endpoints:
             ep.last_timing = None
@@ -350,6 +354,7 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         total.append(sum(fwd))
         overhead.append(t - busiest[-1])
     stats = client.stats()
+    stages = stage_means(before, client.timings())
     return {
         "M": m,
         "e2e_p50_us": pct(e2e, 0.5),
@@ -359,7 +364,32 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         "overhead_p50_us": pct(overhead, 0.5),
         "overhead_p99_us": pct(overhead, 0.99),
         "transports": sorted({s["transport"] for s in stats.values()}),
+        "stages_mean_us": stages,
     }
+
+
+# The client's stages shown per row (client/telemetry.py), where the time of a call goes.
+STAGE_COLUMNS = (
+    "stage",
+    "route",
+    "server_queue",
+    "server_compute",
+    "transfer",
+    "doorbell",
+    "wake",
+    "sum",
+)
+
+
+def stage_means(before: dict, after: dict) -> dict:
+    """Each client stage's mean (us) over the calls between two `client.timings()`."""
+    out = {}
+    for stage, a in after.items():
+        b = before.get(stage, {"count": 0, "total_s": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            out[stage] = (a["total_s"] - b["total_s"]) / n * 1e6
+    return out
 
 
 def _compute_us(timing) -> float:
@@ -571,6 +601,17 @@ def print_table(result: dict) -> None:
             f"{r['sum_forward_p50_us']:8.0f} {r['overhead_p50_us']:8.0f} "
             f"{r['overhead_p50_us'] / tcp[r['M']]:7.2f}"
         )
+    if not any(r.get("stages_mean_us") for r in result["rows"]):
+        return
+    print(
+        "\nwhere a call goes: the client's stages, mean us per call (client/telemetry.py; "
+        "the server's and the wire's per shard attempt)\n"
+        f"{'shards':>6} {'transport':>9} {'M':>6} " + " ".join(f"{c:>14}" for c in STAGE_COLUMNS)
+    )
+    for r in result["rows"]:
+        st = r.get("stages_mean_us") or {}
+        cells = " ".join(f"{st[c]:14.1f}" if c in st else f"{'-':>14}" for c in STAGE_COLUMNS)
+        print(f"{r['shards']:>6} {r['transport']:>9} {r['M']:>6} {cells}")
 
 
 if __name__ == "__main__":

@@ -37,3 +37,17 @@ def test_rpc_floor_times_the_request_steps_and_real_round_trips():
     rpc = rpc_floor.round_trips(bytes(100), bytes(200), reps=20)
     assert set(rpc) == {"echo", "hop", "intercepted"}
     assert all(0 < r["median_us"] <= r["p90_us"] for r in rpc.values())
+
+
+def test_transport_stage_means_cover_only_the_calls_between_two_snapshots():
+    import transport
+
+    before = {"route": {"count": 10, "total_s": 0.001}, "wake": {"count": 2, "total_s": 1e-4}}
+    after = {
+        "route": {"count": 14, "total_s": 0.0014},
+        "wake": {"count": 2, "total_s": 1e-4},  # no call of this stage in between
+        "doorbell": {"count": 4, "total_s": 8e-6},  # first seen after the first snapshot
+    }
+    means = transport.stage_means(before, after)
+    assert means.keys() == {"route", "doorbell"}
+    assert abs(means["route"] - 100.0) < 1e-6 and abs(means["doorbell"] - 2.0) < 1e-6
