@@ -118,8 +118,7 @@ class Slot:
         self.out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h].view(np.uint16)
         self.seq = 0
         self.rows = 0  # rows of the call in flight / last answered
-        self.rung = 0.0  # time.monotonic() of the last ring
-        self.ring_ns = 0  # time.monotonic_ns() of the last ring, just before it
+        self.ring_ns = 0  # time.monotonic_ns() of the last ring
         self.took = dp.Recent()  # how long answers take: ring -> seen answered
         self.channel: ShmChannel | None = None
         self.held = False  # taken by a call (its answer may still be read)
@@ -174,7 +173,6 @@ class Slot:
         self.ring_ns = time.monotonic_ns()
         ctl.req_seq = self.seq  # after the data: the shard reads it only once it sees this
         dp.futex_wake(self.req_addr)
-        self.rung = time.monotonic()
 
     def answered(self) -> bool:
         return self.ctl.resp_seq == self.seq
@@ -186,7 +184,7 @@ class Slot:
         spin = SPIN_S
         early, late = self.took.low(), self.took.high()
         if early > SLEEP_FIRST_S and ctl.resp_seq == old:
-            due = self.rung + early - SPIN_EARLY_S
+            due = self.ring_ns / 1e9 + early - SPIN_EARLY_S
             if time.monotonic() < due:  # asleep until shortly before the answer is due
                 dp.wait_word(ctl, "resp_seq", self.resp_addr, old, min(due, deadline), 0.0)
             spin = SPIN_EARLY_S + SPIN_S
@@ -199,7 +197,7 @@ class Slot:
             until = min(deadline, now + EOF_CHECK_S)
             if dp.wait_word(ctl, "resp_seq", self.resp_addr, old, until, spin):
                 if self.answered():
-                    self.took.add(time.monotonic() - self.rung)
+                    self.took.add(time.monotonic() - self.ring_ns / 1e9)
                     return True
                 old = ctl.resp_seq  # an answer to an older, abandoned call
                 continue

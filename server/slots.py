@@ -75,18 +75,29 @@ class _Pending:
 
 
 class PinnedRows:
-    """The x and out rows of one host slot (the memory at `base`, in `layout`),
-    page-locked for `device` on demand (cudamem.PinnedHost), so a GPU shard's runner
-    copies a call's rows to and from the GPU by DMA straight from the slot instead of
-    through its staging buffer. The locked prefix of each region grows by doubling
-    from PIN_MIN_ROWS: only rows some call used become resident, and each size is
-    registered once. Used by the one thread running the slot's call; `release` only
-    when no copy of the slot's rows is queued."""
+    """The x and out rows of one host slot (the memory at `base`, in `layout`; `out`:
+    its output region as a flat bf16 tensor), page-locked for `device` on demand
+    (cudamem.PinnedHost), so a GPU shard's runner copies a call's rows to and from
+    the GPU by DMA straight from the slot instead of through its staging buffer. The
+    locked prefix of each region grows by doubling from PIN_MIN_ROWS: only rows some
+    call used become resident, and each size is registered once. Used by the one
+    thread running the slot's call; `release` only when no copy of the slot's rows
+    is queued."""
 
-    def __init__(self, base: int, layout: dp.Layout, device) -> None:
-        self.base, self.layout, self.device = base, layout, device
+    def __init__(self, base: int, layout: dp.Layout, device, out: torch.Tensor) -> None:
+        self.base, self.layout, self.device, self.out = base, layout, device, out
         self.rows = 0
+        self.refused = False  # the driver would not lock the rows: not asked again
         self._ranges: list[cudamem.PinnedHost] = []
+
+    def out_rows(self, m: int) -> torch.Tensor | None:
+        """The output region's first m rows (bf16 [m, H]) for the runner to copy into,
+        once x's and out's first m rows are locked; None when the rows must come
+        through the slot's `write_output` (the driver refused)."""
+        if self.refused or not self.cover(m):
+            return None
+        h = self.layout.hidden
+        return self.out[: m * h].view(m, h)
 
     def cover(self, m: int) -> bool:
         """Lock at least the first m rows of x and out -> False when the driver refused
@@ -106,6 +117,7 @@ class PinnedRows:
         except cudamem.CudaIpcError as e:
             log.warning("slot memory not page-locked, its copies go through staging: %s", e)
             self.release()
+            self.refused = True
             return False
         self.rows = rows
         return True
@@ -174,8 +186,8 @@ class Slot:
         # A GPU shard's host slot: the rows its calls use are page-locked on demand.
         self._pins: PinnedRows | None = None
         if pin is not None and not layout.device:
-            self._pins = PinnedRows(ctypes.addressof(self.ctl), layout, pin)
-        self._out_host = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
+            out = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
+            self._pins = PinnedRows(ctypes.addressof(self.ctl), layout, pin, out)
         self._ids = torch.empty(mmax * k, dtype=torch.int32)
         self._w = torch.empty(mmax * k, dtype=torch.float32)
         self._ids_np, self._w_np = self._ids.numpy(), self._w.numpy()
@@ -200,7 +212,7 @@ class Slot:
     def direct(self) -> bool:
         """Whether the runner can copy this slot's rows straight between the slot and
         the GPU (cuda-ipc device regions, or a GPU shard's pinnable host slot)."""
-        return self._out_dev is not None or self._pins is not None
+        return self._out_dev is not None or (self._pins is not None and not self._pins.refused)
 
     def device_out(self, m: int) -> torch.Tensor | None:
         """Where the runner copies the call's m output rows itself (bf16 [m, H]): the
@@ -213,10 +225,7 @@ class Slot:
             return self._out_dev[: m * h].view(m, h)
         if self._pins is None or self.mm is None:
             return None
-        if not self._pins.cover(m):
-            self._pins = None
-            return None
-        return self._out_host[: m * h].view(m, h)
+        return self._pins.out_rows(m)
 
     def device_proof(self) -> int:
         """cuda-ipc: the u64 at the start of the output region (the client's nonce)."""
@@ -280,8 +289,9 @@ class Slot:
         # goes with the last of them; ctl's export must go first.
         if self._pins is not None:  # before the mapping can go
             self._pins.release()
+            self._pins = None
         self.ctl = None
-        self._x = self._ids_in = self._w_in = self._out = self._out_dev = self._out_host = None
+        self._x = self._ids_in = self._w_in = self._out = self._out_dev = None
         self.mm = None
         if self.dev is not None:  # answered: no queued copy reads or writes it any more
             dev, self.dev = self.dev, None
@@ -445,6 +455,7 @@ class SlotRegistry:
             if bank is None:
                 raise ValueError("server is not serving")
             device = bank.backend.device
+        pin = pin_device(self.servicer, self.pin)
         try:
             for i in range(pending.slots):
                 fd = dp.sealed_memfd(
@@ -452,16 +463,7 @@ class SlotRegistry:
                 )
                 fds.append(fd)
                 try:
-                    lease.slots.append(
-                        Slot(
-                            lease,
-                            i,
-                            fd,
-                            pending.layout,
-                            device,
-                            pin_device(self.servicer, self.pin),
-                        )
-                    )
+                    lease.slots.append(Slot(lease, i, fd, pending.layout, device, pin))
                 except cudamem.CudaIpcError as e:  # out of device memory, most likely
                     raise ValueError(f"no device memory for the slots: {e}") from None
             socket.send_fds(conn, [dp.FDS + pending.lease_id.encode()], fds)

@@ -76,8 +76,10 @@ class TcpSlot:
         self._w = self.buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k]
         self._out = self.buf[layout.out_offset : layout.out_offset + 2 * mmax * h]
         # A GPU shard: the rows its calls use are page-locked on demand, for DMA.
-        self._pins = None if pin is None else PinnedRows(self.buf.ctypes.data, layout, pin)
-        self._out_host = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
+        self._pins = None
+        if pin is not None:
+            out = torch.from_numpy(self._out.view(np.int16)).view(torch.bfloat16)
+            self._pins = PinnedRows(self.buf.ctypes.data, layout, pin, out)
         self._ended = False  # the connection's thread is done: unlock once answered
         self.lock = threading.Lock()
         self.busy = False
@@ -104,19 +106,13 @@ class TcpSlot:
     @property
     def direct(self) -> bool:
         """Whether the runner may copy this slot's rows straight to and from the GPU."""
-        return self._pins is not None
+        return self._pins is not None and not self._pins.refused
 
     def device_out(self, m: int) -> torch.Tensor | None:
         """The output buffer's first m rows (bf16 [m, H]) once x's and out's first m
         rows are page-locked, for the runner to copy into; None when the rows come
         through `write_output` (a CPU shard, or the driver refused the lock)."""
-        if self._pins is None:
-            return None
-        if not self._pins.cover(m):
-            self._pins = None
-            return None
-        h = self.layout.hidden
-        return self._out_host[: m * h].view(m, h)
+        return None if self._pins is None else self._pins.out_rows(m)
 
     def end(self) -> None:
         """The connection's thread is done: unlock the rows now, or once the call in

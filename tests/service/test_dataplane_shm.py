@@ -449,3 +449,47 @@ def test_a_containers_cpu_quota_caps_the_cpus_waiters_count_on(tmp_path):
     assert dp.cpu_quota(none, none) is None
     v2.write_text("garbage\n")
     assert dp.cpu_quota(str(v2), none) is None
+
+
+def test_pinned_rows_lock_by_doubling_and_stop_asking_once_refused(monkeypatch):
+    """A GPU shard's host slot locks its x and out rows on demand (the driver's
+    registration stood in for here: no GPU on this machine): whole pages, by doubling
+    from PIN_MIN_ROWS, each size once; a refusal unlocks everything and is final."""
+    from expertd import cudamem
+    from expertd.server import slots
+
+    calls, refuse = [], []
+
+    class FakeHost:
+        def __init__(self, addr, nbytes, device):
+            if refuse:
+                raise cudamem.CudaIpcError("cudaHostRegister: refused")
+            self.span = (addr, nbytes)
+            calls.append(("lock", self.span))
+
+        def release(self):
+            calls.append(("unlock", self.span))
+
+    monkeypatch.setattr(cudamem, "PinnedHost", FakeHost)
+    lay = dp.Layout(max_tokens=2048, top_k=8, hidden=512)
+    out = torch.zeros(2048 * 512, dtype=torch.bfloat16)
+    rows = slots.PinnedRows(1 << 20, lay, "cuda:0", out)
+    view = rows.out_rows(100)
+    assert view.shape == (100, 512) and view.data_ptr() == out.data_ptr()
+    assert rows.rows == slots.PIN_MIN_ROWS
+    span = dp.round_pages(2 * slots.PIN_MIN_ROWS * 512)
+    assert calls == [
+        ("lock", ((1 << 20) + lay.x_offset, span)),
+        ("lock", ((1 << 20) + lay.out_offset, span)),
+    ]
+    calls.clear()
+    assert rows.out_rows(slots.PIN_MIN_ROWS).shape[0] == slots.PIN_MIN_ROWS and not calls
+    assert rows.out_rows(600).shape[0] == 600 and rows.rows == 4 * slots.PIN_MIN_ROWS
+    assert [c[0] for c in calls] == ["unlock", "unlock", "lock", "lock"]
+    calls.clear()
+    refuse.append(True)
+    assert rows.out_rows(2000) is None and rows.refused and rows.rows == 0
+    assert [c[0] for c in calls] == ["unlock", "unlock"]
+    refuse.clear()
+    calls.clear()
+    assert rows.out_rows(10) is None and not calls  # not asked again
