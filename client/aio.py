@@ -405,8 +405,15 @@ class AsyncExpertClient:
                         slot.start(layer, x_bits, tokens, ids, w, remaining, notify=False)
                     except StreamCallError:
                         raise Fallback from None
+            waited = set()  # the GPU side streams gathering rows: each waited for once
             for slot in later:
-                slot.ring()
+                if isinstance(slot, CudaIpcSlot):
+                    if id(slot.stream) not in waited:
+                        slot.stream.synchronize()
+                        waited.add(id(slot.stream))
+                    slot.ring(gathered=True)
+                else:
+                    slot.ring()
             pieces = []
             for part, ep, slot in held:
                 try:
@@ -434,7 +441,11 @@ class AsyncExpertClient:
                 sums = DeviceSum(m, topo.hidden_size, inputs.device, m)
                 for piece in pieces:
                     sums.stage(piece)
-                out = sums.finish(pieces)
+                lone = held[0][2] if len(held) == 1 else None
+                lone = lone if isinstance(lone, CudaIpcSlot) else None
+                out = sums.finish(pieces, None if lone is None else lone.read_done)
+                if sums.queued:  # summed on the caller's stream: the slot's next ring waits
+                    lone.reading = True
             else:
                 out = combine(inputs, topo.hidden_size, pieces)
             t2 = time.perf_counter_ns()

@@ -23,7 +23,7 @@ import torch
 from expertd import cudamem
 from expertd import dataplane as dp
 from expertd.client.shm import NO_TRACE, LeaseError, ShmChannel, Slot, write_trace
-from expertd.cudamem import ImportedBuffer, available
+from expertd.cudamem import ImportedBuffer, available, on_stream
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
@@ -63,6 +63,10 @@ class CudaIpcSlot(Slot):
         off = layout.device_out_offset
         self.out_dev = t[off : off + n].view(torch.bfloat16).view(mmax, h)
         self.stream = _stream(t.device)
+        # A caller's stream may still be summing the last answer out of the out region
+        # (devsum.DeviceSum.finish with `done`): the next call's ring waits for it.
+        self.read_done = torch.cuda.Event()
+        self.reading = False
 
     def write_proof(self, nonce: int) -> None:
         """The registration nonce into the device out region too (the shard reads it
@@ -93,15 +97,20 @@ class CudaIpcSlot(Slot):
             raise ValueError(
                 f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
             )
+        if self.reading:  # the shard overwrites out once rung: after the last sum read it
+            self.stream.wait_event(self.read_done)
+            self.reading = False
         if m:
             dst = self.x_dev[:m]
-            with torch.cuda.stream(self.stream):
-                if x.is_cuda:  # x is complete (stage_inputs waited for the caller's stream)
-                    self.stream.wait_stream(torch.cuda.current_stream(x.device))
+            with on_stream(self.stream):
+                # x is complete: stage_inputs waited for the caller's stream
                 if tokens is None:
                     dst.copy_(x, non_blocking=True)
                 else:
-                    rows = torch.from_numpy(np.ascontiguousarray(tokens)).to(x.device)
+                    # page-locked, so the copy queues on the stream instead of the
+                    # host waiting for it (a pageable copy returns once it is done)
+                    host_rows = torch.from_numpy(np.ascontiguousarray(tokens)).pin_memory()
+                    rows = host_rows.to(x.device, non_blocking=True)
                     if x.device == dst.device:
                         torch.index_select(x, 0, rows, out=dst)
                     else:
@@ -119,9 +128,12 @@ class CudaIpcSlot(Slot):
         if ring:
             self.ring()
 
-    def ring(self) -> None:
-        """The doorbell, once the rows are in the shard's memory."""
-        self.stream.synchronize()
+    def ring(self, gathered: bool = False) -> None:
+        """The doorbell, once the rows are in the shard's memory (`gathered`: the
+        caller has waited for this slot's stream already, as for several slots that
+        share it)."""
+        if not gathered:
+            self.stream.synchronize()
         super().ring()
 
     def result(self) -> torch.Tensor:
@@ -133,6 +145,9 @@ class CudaIpcSlot(Slot):
     def unmap(self) -> None:
         if self.ctl is None:
             return
+        if self.reading:  # a caller's stream may still read the out region
+            self.read_done.synchronize()
+            self.reading = False
         super().unmap()
         self.x_dev = self.out_dev = None
         mem, self.mem = self.mem, None

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from expertd.client.core import Piece, _answer_bits
+from expertd.cudamem import on_stream
 
 _ALIGN = 64  # bytes: every staged region starts aligned (for the int64 row indices)
 
@@ -80,7 +81,10 @@ class DeviceSum:
     `stage(piece)` as each shard answers (on the client's event loop; answers may
     come in any order), then `finish(pieces)` with the call's pieces in the order
     core.combine would get them -> bf16 [m, h] on `device`, complete (the side
-    stream synchronized) so that any stream of the caller may read it.
+    stream synchronized) so that any stream of the caller may read it; or, given
+    `done` and a lone answer already on `device` (one cuda-ipc slot with every row),
+    queued on the caller's current stream like any torch op, with `done` recorded
+    after it: the caller keeps the answer's memory until `done` has passed.
     `rows` sizes the pinned buffer: the rows the answers are expected to hold (an
     answer that does not fit gets a pinned buffer of its own)."""
 
@@ -96,6 +100,8 @@ class DeviceSum:
         self._extra: list[torch.Tensor] = []  # pinned buffers of answers that did not fit
         self._used = 0
         self._staged: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._on_side = False  # something was queued on the side stream
+        self.queued = False  # finish left the sum queued on the caller's stream
 
     def _region(self, nbytes: int) -> torch.Tensor:
         if self._host is None:
@@ -109,9 +115,7 @@ class DeviceSum:
         return buf[:nbytes]
 
     def _on_stream(self):
-        return (
-            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        )
+        return on_stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def stage(self, piece: Piece) -> None:
         """Copy `piece`'s answer into pinned memory (one memcpy, numpy) and start its
@@ -134,6 +138,7 @@ class DeviceSum:
             off = _aligned(nbytes)
             host_tokens = region[off : off + rows * 8].view(torch.int64)
             np.copyto(host_tokens.numpy(), piece.tokens.numpy())
+        self._on_side = True
         with self._on_stream():
             dev_bits = host_bits.to(self.device, non_blocking=self.pin)
             dev_tokens = None
@@ -151,13 +156,33 @@ class DeviceSum:
             )
         if rows == 0:
             return
+        if out.device == self.device and rows == self.m:  # read where it is, when summed
+            self._staged[id(piece)] = (None, out)
+            return
+        self._on_side = True
         with self._on_stream():
             bits = out if out.device == self.device else out.to(self.device, non_blocking=True)
-            tokens = None if rows == self.m else piece.tokens.to(self.device)
+            tokens = None
+            if rows != self.m:  # page-locked: queued on the side stream, no host wait
+                tokens = piece.tokens.pin_memory().to(self.device, non_blocking=True)
         self._staged[id(piece)] = (tokens, bits)
 
-    def finish(self, pieces: list[Piece]) -> torch.Tensor:
-        """Sum the staged answers of `pieces` in shard order -> bf16 [m, h] on the device."""
+    def finish(self, pieces: list[Piece], done: torch.cuda.Event | None = None) -> torch.Tensor:
+        """Sum the staged answers of `pieces` in shard order -> bf16 [m, h] on the device.
+        `done`: see the class; `self.queued` says whether it was recorded (the sum left
+        queued on the caller's stream) or not (complete, as without it)."""
+        self.queued = False
+        lone = [self._staged[id(p)] for p in pieces if id(p) in self._staged]
+        if done is not None and len(lone) == 1 and lone[0][0] is None and not self._on_side:
+            # one answer with every row, on this GPU, nothing of it on the side stream:
+            # 0.0f + it, rounded back, in one kernel on the caller's stream, which the
+            # caller then orders after as after any op (CUDA's bf16 add computes in
+            # float32 and rounds as .to(bfloat16): -0 -> +0, NaN -> 0x7FC0, as the host sum)
+            out = torch.add(lone[0][1], 0.0)
+            done.record()
+            self.queued = True
+            self._staged.clear()
+            return out
         try:
             # The result is allocated on this thread's current stream, as a host result's
             # copy to the device would be; everything else lives on the side stream.

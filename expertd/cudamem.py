@@ -28,6 +28,30 @@ HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
 
+class on_stream:
+    """`with on_stream(s):` makes `s` the current stream of its device (and its device
+    the current one) for the block, as `with torch.cuda.stream(s):` does, for the
+    per-call paths of the data plane. torch.cuda.stream builds Stream objects and
+    checks the device's availability on every entry and exit, tens of microseconds a
+    switch under a busy interpreter; this calls the three bindings those wrappers
+    end in and nothing else. Single use, any thread."""
+
+    __slots__ = ("_prev", "_prev_device", "_target")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._target = (stream.stream_id, stream.device_index, stream.device_type)
+
+    def __enter__(self) -> None:
+        self._prev_device = torch._C._cuda_getDevice()
+        self._prev = torch._C._cuda_getCurrentStream(self._target[1])
+        torch._C._cuda_setStream(*self._target)  # also makes its device the current one
+
+    def __exit__(self, *exc) -> None:
+        torch._C._cuda_setStream(*self._prev)
+        if self._prev_device != self._target[1]:
+            torch._C._cuda_setDevice(self._prev_device)
+
+
 class CudaIpcError(RuntimeError):
     """A CUDA IPC step failed (the message names the runtime's error)."""
 

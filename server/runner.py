@@ -41,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from expertd.cudamem import on_stream
 from expertd.progress import Progress
 from expertd.server.bank import ExpertBank
 from expertd.server.graphs import (
@@ -154,6 +155,41 @@ class Flight:
             self._runner._slots.release(slot.index)
 
 
+class _DeviceViews:
+    """The views a device batch of one slot and layout copies through: the routes'
+    prefix of the host and device input buffers, x and out on the device, the flags
+    on the device and in the host output buffer. Built once per (slot, bucket) for
+    the graphs' fixed buffers: a small call is mostly host time, and each view is a
+    few tensor constructions, and rebuilt when an eager batch grew the slot's host
+    buffers (`current`)."""
+
+    __slots__ = (
+        "dev_in",
+        "dev_out",
+        "flags_dev",
+        "flags_host",
+        "host_in",
+        "host_out",
+        "out",
+        "routes_dev",
+        "routes_host",
+        "x",
+    )
+
+    def __init__(self, layout: Layout, slot: _Slot, dev_in: torch.Tensor, dev_out: torch.Tensor):
+        self.dev_in, self.dev_out = dev_in, dev_out
+        self.x = layout.inputs(dev_in)[0]
+        self.out = layout.outputs(dev_out)[0]
+        routes, flags = layout.x_offset, layout.out_offset
+        self.host_in, self.host_out = slot.host.input, slot.host.output
+        self.routes_host, self.routes_dev = self.host_in[:routes], dev_in[:routes]
+        self.flags_host, self.flags_dev = self.host_out[:flags], dev_out[:flags]
+
+    def current(self, slot: _Slot) -> bool:
+        """Whether the slot's host buffers are still the ones viewed."""
+        return self.host_in is slot.host.input and self.host_out is slot.host.output
+
+
 class BatchRunner:
     def __init__(
         self,
@@ -185,6 +221,7 @@ class BatchRunner:
         self._slot_bufs = [
             _Slot(i, self.device, in_bytes, out_bytes, fused) for i in range(self.depth)
         ]
+        self._views: dict[tuple[int, int], _DeviceViews] = {}  # (slot, bucket) -> views
         if cuda:
             self._upload = torch.cuda.Stream(self.device)
             self._compute = torch.cuda.Stream(self.device)
@@ -312,19 +349,19 @@ class BatchRunner:
         out (download stream), each stage waiting on the previous one's event; a
         fused bucket's graph does all three on the compute stream."""
         if fused:
-            with torch.cuda.stream(self._compute):
+            with on_stream(self._compute):
                 self.graphs.replay(layer, bucket, slot.index)
-                slot.downloaded.record()
+                slot.downloaded.record(self._compute)
             return
         if bucket is not None:
             dev_in, dev_out = self.graphs.buffers(slot.index)
         else:
             dev_in, dev_out = slot.eager_buffers(layout, self.device)
         n_in, n_out = layout.in_prefix(m), layout.out_prefix(m)
-        with torch.cuda.stream(self._upload):
+        with on_stream(self._upload):
             dev_in[:n_in].copy_(slot.host.input[:n_in], non_blocking=True)
-            slot.uploaded.record()
-        with torch.cuda.stream(self._compute):
+            slot.uploaded.record(self._upload)
+        with on_stream(self._compute):
             self._compute.wait_event(slot.uploaded)
             if bucket is not None:
                 self.graphs.replay(layer, bucket, slot.index)
@@ -332,11 +369,11 @@ class BatchRunner:
                 x, i, w = layout.inputs(dev_in)
                 out, bad = layout.outputs(dev_out)
                 forward_checked(self.bank.backend, state, x, i, w, out, bad)
-            slot.computed.record()
-        with torch.cuda.stream(self._download):
+            slot.computed.record(self._compute)
+        with on_stream(self._download):
             self._download.wait_event(slot.computed)
             slot.host.output[:n_out].copy_(dev_out[:n_out], non_blocking=True)
-            slot.downloaded.record()
+            slot.downloaded.record(self._download)
 
     def _enqueue_device(
         self,
@@ -360,17 +397,21 @@ class BatchRunner:
         `alone` (no other batch in flight): nothing to overlap with, so every step is
         queued on the compute stream in order, without the three streams' events and
         waits (a handful of host calls of a call that is mostly host time when small)."""
-        if bucket is not None:
-            dev_in, dev_out = self.graphs.buffers(slot.index)
-        else:
-            dev_in, dev_out = slot.eager_buffers(layout, self.device)
-        x_dev, _, _ = layout.inputs(dev_in)
-        out_dev, _ = layout.outputs(dev_out)
+        views = self._views.get((slot.index, bucket)) if bucket is not None else None
+        if views is None or not views.current(slot):
+            if bucket is not None:
+                dev_in, dev_out = self.graphs.buffers(slot.index)
+            else:
+                dev_in, dev_out = slot.eager_buffers(layout, self.device)
+            views = _DeviceViews(layout, slot, dev_in, dev_out)
+            if bucket is not None:  # the graphs' buffers stay put: their views too
+                self._views[(slot.index, bucket)] = views
+        x_dev, out_dev = views.x, views.out
         upload, download = (
             (self._compute, self._compute) if alone else (self._upload, self._download)
         )
-        with torch.cuda.stream(upload):
-            dev_in[: layout.x_offset].copy_(slot.host.input[: layout.x_offset], non_blocking=True)
+        with on_stream(upload):
+            views.routes_dev.copy_(views.routes_host, non_blocking=True)
             row = 0
             for x in xs:
                 rows = x.shape[0]
@@ -378,30 +419,29 @@ class BatchRunner:
                     x_dev[row : row + rows].copy_(x, non_blocking=True)
                     row += rows
             if not alone:
-                slot.uploaded.record()
-        with torch.cuda.stream(self._compute):
+                slot.uploaded.record(upload)
+        with on_stream(self._compute):
             if not alone:
                 self._compute.wait_event(slot.uploaded)
             if bucket is not None:
                 self.graphs.replay(layer, bucket, slot.index, plain=True)
             else:
-                x, i, w = layout.inputs(dev_in)
-                out, bad = layout.outputs(dev_out)
+                x, i, w = layout.inputs(views.dev_in)
+                out, bad = layout.outputs(views.dev_out)
                 forward_checked(self.bank.backend, state, x, i, w, out, bad)
             if not alone:
-                slot.computed.record()
-        with torch.cuda.stream(download):
+                slot.computed.record(self._compute)
+        with on_stream(download):
             if not alone:
                 download.wait_event(slot.computed)
-            flags = layout.out_offset
-            slot.host.output[:flags].copy_(dev_out[:flags], non_blocking=True)
+            views.flags_host.copy_(views.flags_dev, non_blocking=True)
             row = 0
             for x, out in zip(xs, outs, strict=True):
                 rows = x.shape[0]
                 if rows:
                     out.copy_(out_dev[row : row + rows], non_blocking=True)
                     row += rows
-            slot.downloaded.record()
+            slot.downloaded.record(download)
 
     def _collect(self, flight: Flight) -> Result:
         """A flight's results: computed now off the GPU; on CUDA, after waiting for its
@@ -413,6 +453,5 @@ class BatchRunner:
             else:
                 out = self.bank.backend.forward(state, x, i, w)
             return Result.of(out, host_nonfinite_rows(x, w, out))
-        with torch.cuda.device(self.device):
-            flight._slot.downloaded.synchronize()
+        flight._slot.downloaded.synchronize()
         return flight.staging.result(flight.layout, flight.m)

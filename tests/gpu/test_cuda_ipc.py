@@ -72,6 +72,29 @@ def test_cuda_ipc_is_chosen_and_matches_grpc_bit_for_bit(shards):
         assert auto.forward(0, x0, ids0, w0).shape == (0, x.shape[1])
 
 
+def test_cuda_ipc_back_to_back_answers_of_one_shard_stay_intact(shards):
+    """Calls whose routes all reach one shard: its answer is summed on the caller's
+    stream after forward returns, and the slot's next call must not let the shard
+    overwrite that answer before the sum read it. Many calls in a row, each output
+    kept unread until the end, each equal to gRPC's."""
+    addresses = [s.address for s in shards]
+    p = get_preset(PRESET)
+    with (
+        ExpertClient(addresses, transport="cuda-ipc") as client,
+        ExpertClient(addresses, transport="grpc") as ref,
+    ):
+        calls = []
+        for seed in range(24):
+            x, _, _ = _inputs(1 + seed % 5, seed=100 + seed)
+            logits = torch.randn((x.shape[0], p.num_experts // 2), device="cuda")
+            top = logits.topk(p.top_k, dim=1)  # shard 0's experts only
+            ids, w = top.indices.int(), torch.softmax(top.values, dim=1)
+            calls.append((x, ids, w, client.forward(0, x, ids, w)))
+        for x, ids, w, got in calls:
+            want = ref.forward(0, x, ids, w)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_cuda_ipc_errors_reach_the_caller_and_the_shard_keeps_serving(shards):
     addresses = [s.address for s in shards]
     with ExpertClient(addresses, transport="cuda-ipc") as client:
