@@ -34,14 +34,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import datetime as dt
 import json
 import mmap
 import multiprocessing as mp
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -404,10 +408,42 @@ def request_bytes(preset, m: int) -> tuple[int, int]:
     return m * (2 * h + 8 * k), 2 * m * h
 
 
+@contextlib.contextmanager
+def mps_daemon():
+    """An MPS control daemon for the run, in a private pipe and log directory, named to
+    this process (and so to the shards it starts) through CUDA_MPS_PIPE_DIRECTORY and
+    CUDA_MPS_LOG_DIRECTORY; stopped with `quit` at the end. RuntimeError when
+    nvidia-cuda-mps-control is not on PATH or does not start."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not on PATH")
+    root = Path(tempfile.mkdtemp(prefix="expertd-mps-"))
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": root / "pipe", "CUDA_MPS_LOG_DIRECTORY": root / "log"}
+    for d in dirs.values():
+        d.mkdir()
+    saved = {k: os.environ.get(k) for k in dirs}
+    os.environ.update({k: str(v) for k, v in dirs.items()})
+    try:
+        started = subprocess.run([exe, "-d"], capture_output=True, text=True)
+        if started.returncode != 0:
+            raise RuntimeError(f"{exe} -d failed: {(started.stderr or started.stdout).strip()}")
+        try:
+            yield
+        finally:
+            subprocess.run([exe], input="quit\n", text=True, capture_output=True, timeout=30)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write JSON + PNG here")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--ms", default="1,16,256,4096")
     ap.add_argument("--reps", type=int, default=200)
@@ -429,7 +465,27 @@ def main() -> int:
         action="store_true",
         help="shards (and the echo floors' far ends) in another network namespace, over a veth",
     )
+    ap.add_argument(
+        "--mps",
+        action="store_true",
+        help="run under an MPS control daemon started for the run (its own pipe and log "
+        "directories; this process and every shard are its clients): processes sharing the "
+        "GPU then run side by side instead of time-sliced (docs/operations.md)",
+    )
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        if args.mps:  # before this process touches CUDA: its context must be an MPS client
+            try:
+                stack.enter_context(mps_daemon())
+            except RuntimeError as e:
+                print(f"--mps: {e}", file=sys.stderr)
+                return 2
+        return _main(args)
+
+
+def _main(args) -> int:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.kind is None:  # e.g. nvidia-h100-80gb-hbm3, as benchmarks/gpu_check.sh names it
         name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         args.kind = "-".join(name.lower().split())
@@ -529,6 +585,7 @@ def run(args, far: Far | None) -> int:
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX's choice)"),
         "netns": None if far is None else repr(far),
         "serve_args": args.serve_args,
+        "mps": args.mps,
         "reps": args.reps,
         "floors": floors,
         "rows": rows,
@@ -537,6 +594,7 @@ def run(args, far: Far | None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         tag = "".join(f"-{a.lstrip('-')}" for a in args.serve_args.split())
+        tag += "-mps" if args.mps else ""
         stem = f"transport-{args.kind}{'-netns' if far else ''}{tag}-{result['date']}"
         (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
         plot(result, out / f"{stem}.png")
@@ -575,6 +633,7 @@ def plot(result: dict, path: Path) -> None:
 
 def print_table(result: dict) -> None:
     where = f", shards across a veth: {result['netns']}" if result.get("netns") else ""
+    where += ", under MPS" if result.get("mps") else ""
     print(
         f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}{where}), p50 us:"
         f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'nixl echo':>10} "

@@ -20,12 +20,28 @@ ctypes: nothing beyond torch is needed. Linux only.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import torch
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default pipe directory
+
+
+def mps_control_pipe() -> str | None:
+    """The control pipe of an MPS control daemon this process's CUDA would connect
+    through ($CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps, holding `control`), or
+    None. With one, the processes sharing a GPU run their work side by side; without,
+    the GPU time-slices between them, which costs a cross-process call on one GPU
+    0.1-0.3 ms in context switches (docs/operations.md, "Several processes on one GPU").
+    A file check, not a connection (a daemon killed without `quit` may leave its pipe)."""
+    directory = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY
+    path = os.path.join(directory, "control")
+    return path if os.path.exists(path) else None
 
 
 class on_stream:

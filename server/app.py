@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from expertd import tracing
+from expertd import cudamem, tracing
 from expertd.aioloop import start_loop_thread, stop_loop_thread
 from expertd.codec import parse_forward_request, serialize_forward_response
 from expertd.server import reflection
@@ -332,6 +332,18 @@ def _settle(fut: asyncio.Future, value, error) -> None:
         fut.set_result(value)
 
 
+def gpu_sharing_line() -> str:
+    """How processes sharing this shard's GPU are scheduled, in one line."""
+    pipe = cudamem.mps_control_pipe()
+    if pipe:
+        return f"GPU sharing: MPS ({pipe}): processes on this GPU run side by side"
+    return (
+        "GPU sharing: no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps): "
+        "processes sharing this GPU (a frontend, other shards) are time-sliced, 0.1-0.3 ms "
+        'a call (docs/operations.md, "Several processes on one GPU")'
+    )
+
+
 def security_posture(config: ServerConfig, running: RunningServer) -> tuple[int, str]:
     """(log level, one line): what a client must present, and what is exposed where."""
     auth = "bearer token" if config.auth_token else "off"
@@ -412,6 +424,8 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, on_listening) -> int
             bank.backend.name,
             bank.resident_bytes / 2**20,
         )
+        if bank.backend.device.type == "cuda":
+            log.info("%s", gpu_sharing_line())
         await stopper
     delay_s = config.drain_delay_s if loader.done() else 0.0  # nothing to admit while loading
     log.info("draining (admitting for %.1f s more, grace %.0f s)", delay_s, config.grace_s)

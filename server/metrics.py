@@ -134,6 +134,12 @@ class Metrics:
         self.resident_bytes = Gauge(
             "expertd_resident_weight_bytes", "Expert weights resident on the device", registry=r
         )
+        self.gpu_mps = Gauge(
+            "expertd_gpu_mps",
+            "1 when an MPS control daemon serves this shard's GPU (processes sharing it run "
+            "side by side), 0 when the GPU time-slices between them or the shard is on the CPU",
+            registry=r,
+        )
         self.dataplane_leases = Gauge(
             "expertd_dataplane_leases",
             "Data plane leases held by clients, by transport (shm, cuda-ipc, tcp, nixl)",

@@ -18,8 +18,8 @@ import grpc
 import torch
 
 import expertd
+from expertd import cudamem, nixl, rawtcp, tracing
 from expertd import dataplane as dp
-from expertd import nixl, rawtcp, tracing
 from expertd.server import remote, slots, tcpslots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
@@ -154,6 +154,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.batcher.start()
         self.metrics.resident_bytes.set(bank.resident_bytes)
         self.metrics.watch_device(bank.backend.device)
+        cuda = bank.backend.device.type == "cuda"
+        self.metrics.gpu_mps.set(1 if cuda and cudamem.mps_control_pipe() else 0)
 
     async def close(self) -> None:
         if self.slots is not None:
@@ -460,7 +462,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         device = bank.backend.device
         device_name = str(device)
         if device.type == "cuda":
-            device_name += f" ({torch.cuda.get_device_name(device)})"
+            mps = "; MPS" if cudamem.mps_control_pipe() else ""
+            device_name += f" ({torch.cuda.get_device_name(device)}{mps})"
         return pb.DescribeResponse(
             version=expertd.__version__,
             backend=bank.backend.name,

@@ -318,6 +318,7 @@ def test_metrics_endpoint(bank0):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'expertd_requests_total{code="OK",method="Forward"} 1.0' in text
     assert "expertd_tokens_total 7.0" in text
+    assert "expertd_gpu_mps 0.0" in text  # a CPU shard: no GPU to share
     for name in (
         "expertd_batch_tokens_bucket",
         "expertd_queue_seconds_bucket",

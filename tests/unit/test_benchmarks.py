@@ -1,9 +1,11 @@
 """The parts of the product benchmarks that run without a GPU: the clock / power summary a
-kernel timing is read with (benchmarks/gpu_clocks.py) and the transport floors of the
-serving path (benchmarks/rpc_floor.py: the request steps in Python and real round trips)."""
+kernel timing is read with (benchmarks/gpu_clocks.py), the transport floors of the
+serving path (benchmarks/rpc_floor.py: the request steps in Python and real round trips),
+and the transport benchmark's stage means and MPS daemon (benchmarks/transport.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -51,3 +53,69 @@ def test_transport_stage_means_cover_only_the_calls_between_two_snapshots():
     means = transport.stage_means(before, after)
     assert means.keys() == {"route", "doorbell"}
     assert abs(means["route"] - 100.0) < 1e-6 and abs(means["doorbell"] - 2.0) < 1e-6
+
+
+_FAKE_MPS_CONTROL = """#!/bin/sh
+# Stands in for nvidia-cuda-mps-control: -d makes the control pipe in the pipe directory
+# the environment names, `quit` on stdin removes it; each call is logged beside it.
+echo "$* $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$MPS_CALLS"
+if [ "$1" = "-d" ]; then
+  [ -n "$MPS_FAIL" ] && { echo "cannot start" >&2; exit 1; }
+  mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
+else
+  read cmd
+  [ "$cmd" = quit ] && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+fi
+"""
+
+
+def test_transport_mps_daemon_names_its_directories_to_the_run_and_stops(tmp_path, monkeypatch):
+    import transport
+
+    from expertd import cudamem
+
+    tool = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    tool.parent.mkdir()
+    tool.write_text(_FAKE_MPS_CONTROL)
+    tool.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("PATH", f"{tool.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("MPS_CALLS", str(calls))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/the/operators/own")
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    with transport.mps_daemon():
+        pipe_dir = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        assert pipe_dir != "/the/operators/own"
+        assert cudamem.mps_control_pipe() == f"{pipe_dir}/control"  # what a shard would see
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == "/the/operators/own"  # restored
+    assert "CUDA_MPS_LOG_DIRECTORY" not in os.environ
+    assert not Path(pipe_dir).exists()  # the run's directories are gone
+    started, stopped = calls.read_text().splitlines()
+    assert started.startswith(f"-d {pipe_dir} ") and stopped.startswith(f" {pipe_dir} ")
+
+    monkeypatch.setenv("MPS_FAIL", "1")
+    try:
+        with transport.mps_daemon():
+            raise AssertionError("a daemon that failed to start must not run the body")
+    except RuntimeError as e:
+        assert "cannot start" in str(e)
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == "/the/operators/own"
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    try:
+        with transport.mps_daemon():
+            raise AssertionError("no tool, no run")
+    except RuntimeError as e:
+        assert "not on PATH" in str(e)
+
+
+def test_mps_control_pipe_is_found_where_the_driver_looks(tmp_path, monkeypatch):
+    from expertd import cudamem
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert cudamem.mps_control_pipe() is None
+    os.mkfifo(tmp_path / "control")
+    assert cudamem.mps_control_pipe() == str(tmp_path / "control")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    expected = "/tmp/nvidia-mps/control"
+    assert cudamem.mps_control_pipe() == (expected if os.path.exists(expected) else None)
