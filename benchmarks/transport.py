@@ -412,8 +412,13 @@ def request_bytes(preset, m: int) -> tuple[int, int]:
 def mps_daemon():
     """An MPS control daemon for the run, in a private pipe and log directory, named to
     this process (and so to the shards it starts) through CUDA_MPS_PIPE_DIRECTORY and
-    CUDA_MPS_LOG_DIRECTORY; stopped with `quit` at the end. RuntimeError when
-    nvidia-cuda-mps-control is not on PATH or does not start."""
+    CUDA_MPS_LOG_DIRECTORY. RuntimeError when nvidia-cuda-mps-control is not on PATH or
+    does not start.
+
+    At the end it is told to `quit` by a detached shell, which then removes the
+    directories: `quit` returns only once the daemon's server has ended, and the server
+    waits for every client to exit, this process included (it cannot give up its CUDA
+    context before it exits)."""
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe is None:
         raise RuntimeError("nvidia-cuda-mps-control is not on PATH")
@@ -423,21 +428,30 @@ def mps_daemon():
         d.mkdir()
     saved = {k: os.environ.get(k) for k in dirs}
     os.environ.update({k: str(v) for k, v in dirs.items()})
+    started = False
     try:
-        started = subprocess.run([exe, "-d"], capture_output=True, text=True)
-        if started.returncode != 0:
-            raise RuntimeError(f"{exe} -d failed: {(started.stderr or started.stdout).strip()}")
-        try:
-            yield
-        finally:
-            subprocess.run([exe], input="quit\n", text=True, capture_output=True, timeout=30)
+        run = subprocess.run([exe, "-d"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{exe} -d failed: {(run.stderr or run.stdout).strip()}")
+        started = True
+        yield
     finally:
+        if started:
+            subprocess.Popen(
+                ["sh", "-c", 'echo quit | "$0"; rm -rf "$1"', exe, str(root)],
+                env=dict(os.environ),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        else:
+            shutil.rmtree(root, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> int:

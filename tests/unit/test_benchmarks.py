@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -89,6 +90,9 @@ def test_transport_mps_daemon_names_its_directories_to_the_run_and_stops(tmp_pat
         assert cudamem.mps_control_pipe() == f"{pipe_dir}/control"  # what a shard would see
     assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == "/the/operators/own"  # restored
     assert "CUDA_MPS_LOG_DIRECTORY" not in os.environ
+    deadline = time.monotonic() + 10  # quit and the clean-up run detached, after the run
+    while Path(pipe_dir).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not Path(pipe_dir).exists()  # the run's directories are gone
     started, stopped = calls.read_text().splitlines()
     assert started.startswith(f"-d {pipe_dir} ") and stopped.startswith(f" {pipe_dir} ")
