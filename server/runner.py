@@ -158,10 +158,10 @@ class Flight:
 class _DeviceViews:
     """The views a device batch of one slot and layout copies through: the routes'
     prefix of the host and device input buffers, x and out on the device, the flags
-    on the device and in the host output buffer. Built once per (slot, bucket) for
-    the graphs' fixed buffers: a small call is mostly host time, and each view is a
-    few tensor constructions, and rebuilt when an eager batch grew the slot's host
-    buffers (`current`)."""
+    on the device and in the host output buffer. Kept per (slot, bucket) for the
+    graphs' fixed buffers, since a small call is mostly host time and each view costs
+    a few tensor constructions; rebuilt when an eager batch has grown the slot's host
+    buffers since (`current`)."""
 
     __slots__ = (
         "dev_in",
