@@ -45,7 +45,7 @@ if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
   $PY benchmarks/transport.py --out "$OUT" --device cuda \
     --ms "${BENCH_MS-1,64,256,1024,4096}" --shards "${BENCH_SHARDS:-1,8}" \
     --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,tcp,shm,cuda-ipc}" \
-    ${BENCH_MPS:+--mps} \
+    $([ "${BENCH_MPS:-0}" = 1 ] && echo --mps) \
     --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')" \
     2>&1 | tee "$OUT/transport.log" | grep -v "^I[0-9]\|^{" 
   rc=${PIPESTATUS[0]}
