@@ -441,11 +441,11 @@ class AsyncExpertClient:
                 sums = DeviceSum(m, topo.hidden_size, inputs.device, m)
                 for piece in pieces:
                     sums.stage(piece)
-                lone = held[0][2] if len(held) == 1 else None
-                lone = lone if isinstance(lone, CudaIpcSlot) else None
-                out = sums.finish(pieces, None if lone is None else lone.read_done)
+                slot = held[0][2] if len(held) == 1 else None
+                done = slot.read_done if isinstance(slot, CudaIpcSlot) else None
+                out = sums.finish(pieces, done)
                 if sums.queued:  # summed on the caller's stream: the slot's next ring waits
-                    lone.reading = True
+                    slot.reading = True
             else:
                 out = combine(inputs, topo.hidden_size, pieces)
             t2 = time.perf_counter_ns()

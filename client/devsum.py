@@ -171,16 +171,15 @@ class DeviceSum:
         """Sum the staged answers of `pieces` in shard order -> bf16 [m, h] on the device.
         `done`: see the class; `self.queued` says whether it was recorded (the sum left
         queued on the caller's stream) or not (complete, as without it)."""
-        self.queued = False
-        lone = [self._staged[id(p)] for p in pieces if id(p) in self._staged]
-        if done is not None and len(lone) == 1 and lone[0][0] is None and not self._on_side:
-            # one answer with every row, on this GPU, nothing of it on the side stream:
-            # 0.0f + it, rounded back, in one kernel on the caller's stream, which the
-            # caller then orders after as after any op (CUDA's bf16 add computes in
-            # float32 and rounds as .to(bfloat16): -0 -> +0, NaN -> 0x7FC0, as the host sum)
-            out = torch.add(lone[0][1], 0.0)
+        staged = [self._staged[id(p)] for p in pieces if id(p) in self._staged]
+        # One answer with every row (one shard, or all routes on one) is 0.0f + it, rounded
+        # back, in one kernel (CUDA's bf16 add computes in float32 and rounds as
+        # .to(bfloat16): -0 -> +0, NaN -> 0x7FC0, as the host sum).
+        lone = len(staged) == 1 and staged[0][0] is None
+        self.queued = done is not None and lone and not self._on_side
+        if self.queued:  # on this GPU, nothing of it on the side stream: the caller's stream
+            out = torch.add(staged[0][1], 0.0)
             done.record()
-            self.queued = True
             self._staged.clear()
             return out
         try:
@@ -189,12 +188,8 @@ class DeviceSum:
             out = torch.empty((self.m, self.h), dtype=torch.bfloat16, device=self.device)
             if self.stream is not None:  # out's memory may have been in use there until now
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            staged = [self._staged[id(p)] for p in pieces if id(p) in self._staged]
             with self._on_stream():
-                if self.stream is not None and len(staged) == 1 and staged[0][0] is None:
-                    # one answer with every row (one shard, or all routes on one): 0.0f + it,
-                    # rounded back, in one kernel (CUDA's bf16 add computes in float32 and
-                    # rounds as .to(bfloat16): -0 -> +0, NaN -> 0x7FC0, as the host sum)
+                if self.stream is not None and lone:
                     torch.add(staged[0][1], 0.0, out=out)
                 else:
                     total = torch.zeros((self.m, self.h), dtype=torch.float32, device=self.device)
