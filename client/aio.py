@@ -914,7 +914,11 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 async def _all(coros):
-    """gather, but a failure cancels the siblings (their calls end at once)."""
+    """gather, but a failure cancels the siblings (their calls end at once). A lone
+    coroutine is awaited as it is: no task, no gather (two event-loop turns fewer)."""
+    coros = list(coros)
+    if len(coros) == 1:
+        return [await coros[0]]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)

@@ -249,7 +249,9 @@ class Batcher:
 
     async def _deliver(self, jobs: list[Job], tokens: int, launched: asyncio.Future) -> None:
         try:
-            results = await asyncio.wrap_future(await launched)
+            done = await launched
+            # finished on the compute thread (the usual case): no second hop to this loop
+            results = done.result() if done.done() else await asyncio.wrap_future(done)
         except Exception as e:  # a bug or a device fault: every caller of the batch hears it
             for job in jobs:
                 if not job.future.done():

@@ -53,12 +53,6 @@ def _rows(req) -> int:
     return shape[0] if len(shape) == 2 and shape[0] >= 0 else INLINE_ROWS + 1
 
 
-def _quiet(task: asyncio.Task) -> None:
-    """Retrieve a finished task's outcome so asyncio does not log it as lost."""
-    if not task.cancelled():
-        task.exception()
-
-
 def server_options(max_inflight: int) -> list[tuple[str, int]]:
     """grpc.aio server options of the admission design (see PENDING_RPCS_MIN)."""
     pending = max(PENDING_RPCS_MIN, 16 * max_inflight)
@@ -324,8 +318,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         return reply
 
     async def ForwardStream(self, request_iterator, context):
-        results: asyncio.Queue = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
+        """Reads requests in order and answers each as soon as it is computed, in any
+        order (request_id tells them apart). The reading runs in this call's own task
+        and each answer is written by its request's task, under a lock (one write at a
+        time on a stream): no task or queue stands between a message and its handling,
+        each of which costs an event-loop turn (~30-90 us on a busy 2-CPU host)."""
+        window = asyncio.Semaphore(STREAM_WINDOW)  # requests read, not yet answered
+        writing = asyncio.Lock()
         tasks: set[asyncio.Task] = set()
 
         async def one(req: pb.ForwardRequest) -> None:
@@ -347,48 +346,59 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 resp = pb.ForwardResponse(
                     request_id=req.request_id, error=pb.Error(code=code, message="internal error")
                 )
-            await results.put(resp)
-
-        async def read() -> None:
-            # Until the client half-closes, or the server starts draining: then the
-            # requests already read finish, and the stream ends (OK), so a client
-            # holding a stream open does not hold up shutdown; what it sends after
-            # that is never read, and it retries those elsewhere.
-            requests = aiter(request_iterator)
-            draining = asyncio.ensure_future(self._drain.wait())
             try:
-                while True:
-                    nxt = asyncio.ensure_future(anext(requests))
-                    nxt.add_done_callback(_quiet)
-                    await asyncio.wait({nxt, draining}, return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():
-                        nxt.cancel()
-                        break
-                    try:
-                        req = nxt.result()
-                    except StopAsyncIteration:
-                        break
-                    await window.acquire()
-                    task = asyncio.ensure_future(one(req))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-            finally:  # also when reading failed (e.g. an undecodable message): that
-                # error is raised to the handler by `await reader` below
-                draining.cancel()
-                while tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
-                await results.put(None)
+                async with writing:
+                    await context.write(resp)
+            except Exception as e:  # the stream is gone: its reading ends too
+                log.debug("stream answer not written (request_id=%d): %s", req.request_id, e)
+            finally:
+                window.release()  # answered on the wire (or the stream is gone)
 
-        reader = asyncio.ensure_future(read())
+        # Until the client half-closes, or the server starts draining: then the requests
+        # already read finish, and the stream ends (OK), so a client holding a stream
+        # open does not hold up shutdown; what it sends after that is never read, and
+        # it retries those elsewhere. Draining interrupts a read under way, and only a
+        # read: a request already read is always answered.
+        me = asyncio.current_task()
+        reading = False
+        interrupted = False
+
+        def drained(_f: asyncio.Future) -> None:
+            nonlocal interrupted
+            if reading and not interrupted:
+                interrupted = True
+                me.cancel()
+
+        draining = asyncio.ensure_future(self._drain.wait())
+        draining.add_done_callback(drained)
+        requests = aiter(request_iterator)
         try:
-            while (resp := await results.get()) is not None:
-                yield resp
-                window.release()  # answered on the wire: room for one more request
-            await reader
-        finally:
-            reader.cancel()
-            for task in list(tasks):
+            while not self._drain.is_set():
+                reading = True
+                try:
+                    req = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if not interrupted:
+                        raise
+                    me.uncancel()
+                    break
+                finally:
+                    reading = False
+                await window.acquire()
+                task = asyncio.ensure_future(one(req))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        except asyncio.CancelledError:  # the call itself ended: nobody to answer
+            for task in tasks:
                 task.cancel()
+            raise
+        finally:  # also when reading failed (e.g. an undecodable message): that error
+            # reaches the caller once the requests read so far are answered
+            draining.cancel()
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
 
     async def RegisterSlots(self, request, context):
         tcp = request.transport == rawtcp.TCP
