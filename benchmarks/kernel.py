@@ -374,7 +374,7 @@ def main() -> int:
                 gs = [graphed(backend, state, m, inputs, bt=bt) for inputs in sets]
                 bt_us[bt], bt_vs_default[bt] = time_vs(graphs, gs, n_sets, calls, reps)
                 del gs
-        bt = pick_bt(m, TOP_K, E)
+        bt = pick_bt(m, TOP_K, E, H, INTER)
         row = {
             "M": m,
             "bt": bt,

@@ -69,7 +69,7 @@ def open_library(path: str | os.PathLike) -> ctypes.CDLL:
             lib = ctypes.CDLL(key)
             lib.expertd_last_error.restype = ctypes.c_char_p
             lib.expertd_pick_bt.restype = ctypes.c_int
-            lib.expertd_pick_bt.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
+            lib.expertd_pick_bt.argtypes = [ctypes.c_longlong] + [ctypes.c_int] * 4
             lib.expertd_workspace_bytes.restype = ctypes.c_longlong
             lib.expertd_workspace_bytes.argtypes = [
                 ctypes.c_longlong,
@@ -104,9 +104,9 @@ def kernel_path(bt: int) -> int:
     return int(load_library().expertd_kernel_path(bt))
 
 
-def pick_bt(m: int, top_k: int, num_experts: int) -> int:
+def pick_bt(m: int, top_k: int, num_experts: int, hidden: int, inter: int) -> int:
     """The tile size the library picks for a call (expertd_pick_bt)."""
-    return int(load_library().expertd_pick_bt(m, top_k, num_experts))
+    return int(load_library().expertd_pick_bt(m, top_k, num_experts, hidden, inter))
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:

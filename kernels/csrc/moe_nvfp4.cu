@@ -45,10 +45,11 @@
 //   w13_gscale fp32 [El][2] (gate, up), w2_gscale fp32 [El], norm_weight bf16 [H].
 //
 // Configurations (the list and the measurements behind each: "compiled configurations" below):
-//   BT (tokens per tile; routes per expert are padded to it) = expertd_pick_bt(M, top_k, E) from
-//   lambda = M top_k / E, or the caller's bt. BT 8 runs v6 in one of four configurations by the
-//   call's routes (and whether H and I are multiples of 512), on a grid form also chosen by its
-//   routes (launch_v6: capped grids looping over tiles to 64 routes, one tile per block above);
+//   BT (tokens per tile; routes per expert are padded to it) = expertd_pick_bt(M, top_k, E, H, I)
+//   from lambda = M top_k / E and whether H and I are multiples of 512, or the caller's bt. BT 8
+//   runs v6 in one of four configurations by the call's routes (and whether H and I are multiples
+//   of 512), on a grid form also chosen by its routes (launch_v6: capped grids looping over tiles
+//   to 64 routes, one tile per block above);
 //   BT 16, 32, 48, 64, 96, 128, 144 and 160 run v8, one configuration each. Only the kernel
 //   instances those choices can reach are compiled.
 //
@@ -1707,7 +1708,7 @@ constexpr long long kNoMaxRoutes = LLONG_MAX;
 
 // ------------------------------------ compiled configurations -----------------------------------
 // Only these are compiled, and each is picked by expertd_moe_forward for the calls named:
-//   BT = the caller's bt, or expertd_pick_bt(M, top_k, E);
+//   BT = the caller's bt, or expertd_pick_bt(M, top_k, E, H, I);
 //   BT 8: v6 (mma.sync): V6Tiny, V6Mid or V6Large by the call's routes where H and I are
 //         multiples of 512, else V6Bk256 (with_v6_config), on the grid form its routes take
 //         (launch_v6);
@@ -2244,9 +2245,12 @@ int expertd_kernel_path(int bt) { return kernel_path(bt); }
 //     on a tie (larger tiles run each tile a few % slower): 96 to lambda ~ 70, 128 at 96 and 192,
 //     160 at 128 (one tile where 128 needs two for half the experts: 0.84), 144 at 256-512
 //     (0.93-0.98 of 128).
-int expertd_pick_bt(long long m, int top_k, int num_experts) {
+//   Where H or I is not a multiple of 512, BT 8 runs v6's BK 256 configuration (V6Bk256), and
+//     v8's BT 16 beats it from lambda = 0.5 (H100, Qwen3-30B-A3B's H 2048, I 768, 128 experts,
+//     top-8: BT 16 / BT 8 at M = 4 1.13, 8 0.868, 16 0.988, 32 0.912, 64 0.918).
+int expertd_pick_bt(long long m, int top_k, int num_experts, int h, int inter) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (lambda <= 4) return 8;
+  if (lambda <= 4) return (h % 512 || inter % 512) && lambda >= 0.5 ? 16 : 8;
   if (lambda <= 12.5) return 16;
   if (lambda <= 27) return 32;
   if (lambda <= 36) return 48;
@@ -2299,7 +2303,7 @@ int expertd_moe_forward(const ExpertdMoeArgs* args) {
   if (a.local_first >= 0 && a.local_first + static_cast<long long>(a.el) > a.num_experts)
     return fail(1, "local_first + el exceeds num_experts");
   if (a.m == 0) return 0;
-  const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts);
+  const int bt = a.bt ? a.bt : expertd_pick_bt(a.m, a.top_k, a.num_experts, a.h, a.inter);
   const int path = kernel_path(bt);
   if (path == 0)
     return fail(1, "bt is not a compiled tile size (8, 16, 32, 48, 64, 96, 128, 144, 160)");
