@@ -43,7 +43,7 @@ from expertd.client.core import (
     to_caller,
 )
 from expertd.client.cudaipc import CudaIpcChannel, CudaIpcSlot
-from expertd.client.devsum import DeviceSum
+from expertd.client.devsum import HOST_SUM_MAX, DeviceSum
 from expertd.client.errors import CoverageError, ShardCallError
 from expertd.client.replicas import KEEPS_REPLICA, RETRYABLE, Endpoint, Pool
 from expertd.client.routing import (
@@ -616,11 +616,13 @@ class AsyncExpertClient:
         if lost:
             raise CoverageError(layer, lost, self._pool.down(self._owners(topo, layer, lost)))
         held: list = []  # slots whose output regions the pieces view, until summed
-        # A CUDA caller's answers go to its GPU as they arrive and are summed there.
+        # A CUDA caller's answers go to its GPU as they arrive and are summed there, unless
+        # they are small: then the host sum and one copy cost less (devsum.HOST_SUM_MAX).
         sums = None
         if inputs.device.type == "cuda":
             rows = sum(p.tokens.numel() for p in parts)
-            sums = DeviceSum(inputs.m, topo.hidden_size, inputs.device, rows)
+            if rows * topo.hidden_size > HOST_SUM_MAX:
+                sums = DeviceSum(inputs.m, topo.hidden_size, inputs.device, rows)
 
         async def send(part: ShardPart) -> list[Piece]:
             pieces = await self._send(topo, layer, inputs, part, deadline, md, held=held)

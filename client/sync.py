@@ -123,15 +123,15 @@ class ExpertClient:
         over, every slot busy) runs on the client's event loop, as `submit` does."""
         self._check_open()
         client = self._client
-        if not client.direct_ready():
-            return self.submit(layer, hidden_states, topk_ids, topk_weights, **kwargs).result()
         inputs, deadline, md = client.prepare(hidden_states, topk_ids, topk_weights, **kwargs)
         try:
+            if not client.direct_ready():
+                raise Fallback
             out = client.execute_direct(layer, inputs, deadline, md)
         except Fallback:
             parent = tracing.current_context() if tracing.active() else None
             out = self._run(client.execute(layer, inputs, deadline, md, parent))
-        return to_caller(out, inputs)
+        return to_caller(out, inputs)  # on this thread: non-blocking, on the caller's stream
 
     def close(self) -> None:
         """Close the channels (calls still in flight fail); the shared loop keeps running."""

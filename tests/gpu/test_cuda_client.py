@@ -42,3 +42,34 @@ def test_cuda_tensors_through_two_gpu_shards():
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_routes_on_the_gpu_stage_as_the_torch_casts_would(id_dtype, w_dtype):
+    """A CUDA caller's routes staged to the host are the values torch's casts give,
+    contiguous or not, and they, and x, are the ones the caller's current stream wrote
+    last (staging waits for it: cuda-ipc slots then read x on their own streams)."""
+    from expertd.client.core import stage_inputs
+    from expertd.client.routing import Topology
+
+    topo = Topology(hidden_size=64, intermediate_size=128, num_experts=256, top_k=8, shards=())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for m in (1, 7, 300):
+            x = torch.randn((m, 64), device="cuda", generator=gen)  # float32: cast on the GPU
+            ids = torch.randint(0, 256, (m, 8), device="cuda", generator=gen).to(id_dtype)
+            torch.cuda._sleep(1_000_000)  # the routes' last writes queue behind a busy stream
+            w = (torch.rand((m, 8), device="cuda", generator=gen) * 3).to(w_dtype)
+            ids.add_(0)
+            inputs = stage_inputs(topo, x, ids, w)
+            assert inputs.ids.dtype == torch.int32 and inputs.weights.dtype == torch.float32
+            assert torch.equal(inputs.ids, ids.to(torch.int32).cpu())
+            assert torch.equal(inputs.weights, w.to(torch.float32).cpu())
+            assert torch.equal(inputs.source.cpu(), x.to(torch.bfloat16).cpu())
+            strided = ids.t().contiguous().t()  # not contiguous: the torch path, same values
+            assert not strided.is_contiguous() or m == 1
+            staged = stage_inputs(topo, x, strided, w)
+            assert torch.equal(staged.ids, inputs.ids)
+            assert torch.equal(staged.weights, inputs.weights)
