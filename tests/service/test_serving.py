@@ -351,6 +351,41 @@ def test_draining_refuses_new_calls(bank0):
         )
 
 
+def test_draining_answers_a_streams_requests_already_read_and_ends_it(bank0, full_layers):
+    """A stream that stays open while the server drains: the requests it had sent (read
+    while the first one computed) are all answered, and the stream then ends, OK."""
+    import threading
+
+    cases = [make_request(256, seed) for seed in range(1, 7)]
+    release = threading.Event()
+
+    def requests():
+        for req, _ in cases:
+            yield req
+        release.wait(30)  # the client never half-closes: only the drain ends the stream
+
+    server = BackgroundServer(shard_config(0), bank=bank0)
+    with server, open_channel(server.address) as ch:
+        try:
+            stream = pb_grpc.ExpertServiceStub(ch).ForwardStream(requests(), timeout=30)
+            replies = [next(stream)]  # the server is computing: every request is read
+            start = time.monotonic()
+            server.servicer.draining = True
+            replies += list(stream)  # ends without the client closing its side
+            ended = time.monotonic() - start
+            code = stream.code()
+        finally:
+            release.set()
+    assert code == grpc.StatusCode.OK and ended < 10
+    assert sorted(r.request_id for r in replies) == [req.request_id for req, _ in cases]
+    by_id = {req.request_id: args for req, args in cases}
+    for reply in replies:
+        assert not reply.HasField("error"), reply.error
+        x, ids, w = by_id[reply.request_id]
+        out = wire.decode(reply.output, "output")
+        assert relative_error(out, reference_forward(full_layers[0], x, ids, w)) <= 1e-2
+
+
 def test_too_many_inflight(bank0):
     config = shard_config(0, max_inflight=1)
     with BackgroundServer(config, bank=bank0) as server, open_channel(server.address) as ch:
