@@ -1772,10 +1772,12 @@ void for_each_v6_config(Fn&& fn) {
   fn(V6Large{});
   fn(V6Bk256{});
 }
+// Whether v6 runs a call of these widths in its BK 256 configuration (the tile pick avoids it).
+inline bool v6_bk256(int h, int inter) { return h % 512 || inter % 512; }
 // fn(C{}) for the v6 configuration of a call.
 template <typename Fn>
 auto with_v6_config(long long routes, int h, int inter, Fn&& fn) {
-  if (h % 512 || inter % 512) return fn(V6Bk256{});
+  if (v6_bk256(h, inter)) return fn(V6Bk256{});
   if (routes <= V6Tiny::kMaxRoutes) return fn(V6Tiny{});
   if (routes <= V6Mid::kMaxRoutes) return fn(V6Mid{});
   return fn(V6Large{});
@@ -2250,7 +2252,7 @@ int expertd_kernel_path(int bt) { return kernel_path(bt); }
 //     top-8: BT 16 / BT 8 at M = 4 1.13, 8 0.868, 16 0.988, 32 0.912, 64 0.918).
 int expertd_pick_bt(long long m, int top_k, int num_experts, int h, int inter) {
   const double lambda = static_cast<double>(m) * top_k / (num_experts > 0 ? num_experts : 1);
-  if (lambda <= 4) return (h % 512 || inter % 512) && lambda >= 0.5 ? 16 : 8;
+  if (lambda <= 4) return v6_bk256(h, inter) && lambda >= 0.5 ? 16 : 8;
   if (lambda <= 12.5) return 16;
   if (lambda <= 27) return 32;
   if (lambda <= 36) return 48;

@@ -68,7 +68,7 @@ def test_routes_on_the_gpu_stage_as_the_torch_casts_would(id_dtype, w_dtype):
             assert torch.equal(inputs.ids, ids.to(torch.int32).cpu())
             assert torch.equal(inputs.weights, w.to(torch.float32).cpu())
             assert torch.equal(inputs.source.cpu(), x.to(torch.bfloat16).cpu())
-            strided = ids.t().contiguous().t()  # not contiguous: the torch path, same values
+            strided = ids.t().contiguous().t()  # not contiguous: the same values
             assert not strided.is_contiguous() or m == 1
             staged = stage_inputs(topo, x, strided, w)
             assert torch.equal(staged.ids, inputs.ids)
