@@ -7,9 +7,12 @@ client against real shard processes, per transport, next to what the shards comp
 For each M, each transport (grpc: the ForwardStream path; shm: shared-memory slots;
 nixl: slots registered over NIXL, forced between processes of this host, UCX picking
 the transport (UCX_TLS=tcp,self in the environment measures TCP); cuda-ipc where
-the client's tensors are on a GPU and the shard offers it) and 1 shard
+the client's tensors are on a GPU and the shard offers it; cuda-ipc-stream: the same
+slots with the calls queued on the caller's stream, client/onstream.py) and 1 shard
 (one process holding every expert) or 8 shards (8 processes): the client's end-to-end
-`ExpertClient.forward` time (p50, p99) next to the busiest shard's forward (the
+`ExpertClient.forward` time to the caller's stream having the answer (p50, p99), and
+per call when calls are issued back to back and waited for once ("queued"), next to
+the busiest shard's forward (the
 server's Timing.compute_us of that call: staging, copies, kernels) and the sum of the
 shards' forwards; overhead = e2e - busiest forward, per call. In the same run, the
 floors: a raw TCP echo round trip of the call's bytes (request out, partial back)
@@ -352,13 +355,24 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         if out.is_cuda:
             torch.cuda.current_stream().synchronize()
         t = (time.perf_counter() - t0) * 1e6
+        client.synchronize()  # on-stream calls: the shard's Timing is in once it returns
         fwd = [_compute_us(ep.last_timing) for ep in endpoints if ep.last_timing is not None]
         e2e.append(t)
         busiest.append(max(fwd, default=0.0))
         total.append(sum(fwd))
         overhead.append(t - busiest[-1])
-    stats = client.stats()
     stages = stage_means(before, client.timings())
+    # calls issued back to back and waited for once, as a frontend that runs ahead of its
+    # GPU issues them: the time per call (the same as e2e where forward waits for each)
+    queued = max(10, reps // 4)
+    t0 = time.perf_counter()
+    for i in range(queued):
+        out = client.forward(0, *inputs[i % 4])
+    if out.is_cuda:
+        torch.cuda.current_stream().synchronize()
+    per_call = (time.perf_counter() - t0) * 1e6 / queued
+    client.synchronize()
+    stats = client.stats()
     return {
         "M": m,
         "e2e_p50_us": pct(e2e, 0.5),
@@ -367,7 +381,9 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         "sum_forward_p50_us": pct(total, 0.5),
         "overhead_p50_us": pct(overhead, 0.5),
         "overhead_p99_us": pct(overhead, 0.99),
+        "queued_per_call_us": per_call,
         "transports": sorted({s["transport"] for s in stats.values()}),
+        "stream_calls": sum(s["stream_calls"] for s in stats.values()),
         "stages_mean_us": stages,
     }
 
@@ -517,6 +533,9 @@ def _main(args) -> int:
             far.close()
 
 
+ON_STREAM = "cuda-ipc-stream"
+
+
 def run(args, far: Far | None) -> int:
     preset = get_preset(args.preset or ("muse-spark" if args.device == "cuda" else "small"))
     ms = [int(m) for m in args.ms.split(",")]
@@ -527,6 +546,8 @@ def run(args, far: Far | None) -> int:
         default += ",cuda-ipc"
     if far is not None:  # no shard on this host: no same-host plane
         default = ",".join(t for t in default.split(",") if t not in ("shm", "cuda-ipc"))
+    if args.device != "cuda" and ON_STREAM in (args.transports or ""):
+        raise SystemExit(f"{ON_STREAM} needs --device cuda")
     transports = (args.transports or default).split(",")
     client_device = args.device
     common = [
@@ -580,7 +601,10 @@ def run(args, far: Far | None) -> int:
             wait_serving(procs, timeout=900)
             addresses = [p.address for p in procs]
             for transport in transports:
-                with ExpertClient(addresses, transport=transport) as client:
+                # cuda-ipc-stream: cuda-ipc slots, calls queued on the caller's stream
+                on_stream = transport == ON_STREAM
+                plane = "cuda-ipc" if on_stream else transport
+                with ExpertClient(addresses, transport=plane, on_stream=on_stream) as client:
                     for m in ms:
                         row = {"shards": n, "transport": transport}
                         row.update(measure(client, preset, m, args.reps, client_device))
@@ -665,14 +689,16 @@ def print_table(result: dict) -> None:
     print(
         f"\nservice ({result['preset']}), us:\n{'shards':>6} {'transport':>9} {'M':>6} "
         f"{'e2e p50':>8} {'e2e p99':>8} {'fwd max':>8} {'fwd sum':>8} {'ovh p50':>8} "
-        f"{'ovh/TCP':>7}"
+        f"{'ovh/TCP':>7} {'queued':>8}"
     )
     for r in result["rows"]:
+        queued = r.get("queued_per_call_us")
         print(
             f"{r['shards']:>6} {r['transport']:>9} {r['M']:>6} {r['e2e_p50_us']:8.0f} "
             f"{r['e2e_p99_us']:8.0f} {r['busiest_forward_p50_us']:8.0f} "
             f"{r['sum_forward_p50_us']:8.0f} {r['overhead_p50_us']:8.0f} "
-            f"{r['overhead_p50_us'] / tcp[r['M']]:7.2f}"
+            f"{r['overhead_p50_us'] / tcp[r['M']]:7.2f} "
+            + (f"{queued:8.0f}" if queued is not None else f"{'-':>8}")
         )
     if not any(r.get("stages_mean_us") for r in result["rows"]):
         return

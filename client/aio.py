@@ -456,6 +456,39 @@ class AsyncExpertClient:
             for _part, _ep, slot in held:
                 slot.release()
 
+    def stream_slot(self, layer: int, device: torch.device):
+        """(replica, shard, free cuda-ipc slot) for a call queued on a CUDA caller's
+        stream (client/onstream.py), or None: the topology has more than one shard, its
+        replica is not on cuda-ipc slots with a semaphore on `device`, or none is free."""
+        topo = self.topology
+        if topo is None or len(topo.shards) != 1 or tracing.active():
+            return None
+        shard = topo.shards[0]
+        if layer not in shard.layers:
+            return None  # the usual path words the error
+        addresses = shard.addresses
+        n = len(addresses)
+        for i in range(n):
+            ep = self._pool.endpoints[addresses[(self._turn + i) % n]]
+            ch = ep.dataplane
+            if (
+                not ep.alive
+                or ep.info is None
+                or not isinstance(ch, CudaIpcChannel)
+                or ch.instance_id != ep.info.instance_id
+                or ch.device != device
+                or not ch.usable()
+            ):
+                continue
+            slot = ch.acquire()
+            if slot is None:
+                continue
+            if not slot.sem:
+                ch.release(slot)
+                continue
+            return ep, shard, slot
+        return None
+
     def _direct_slot(self, topo: Topology, part: ShardPart):
         """(replica, free slot) for a part on the caller's thread, or (None, None). A live
         replica whose slots are not leased yet (new, or restarted) sends the call to

@@ -15,7 +15,9 @@ the slot's out region on the device, summed on the caller's GPU
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
+import time
 
 import numpy as np
 import torch
@@ -67,6 +69,33 @@ class CudaIpcSlot(Slot):
         # (devsum.DeviceSum.finish with `done`): the next call's ring waits for it.
         self.read_done = torch.cuda.Event()
         self.reading = False
+        # A shard whose slots have a semaphore is woken through it (a doorbell rung by a
+        # CUDA stream is followed by no FUTEX_WAKE, client/onstream.py); said before PROOF.
+        self.sem = 0
+        if self.ctl.features & dp.FEATURE_SEM:
+            self.ctl.wake = dp.WAKE_SEM
+            self.sem = ctypes.addressof(self.ctl) + dp.SEM_OFFSET
+        # On-stream calls (client/onstream.py): the host slot page-locked and mapped for
+        # the GPU on first use, torch views of its routes regions, the event after the
+        # answer's copy out.
+        self._mapped: cudamem.PinnedHost | None = None
+        self.ids_host: torch.Tensor | None = None
+        self.w_host: torch.Tensor | None = None
+        self.done = torch.cuda.Event()
+
+    def stream_words(self) -> tuple[int, int]:
+        """(req_seq, done_seq) as the GPU addresses them: the host slot is page-locked
+        and mapped into the GPUs' address space the first time."""
+        if self._mapped is None:
+            base = ctypes.addressof(self.ctl)
+            with torch.cuda.device(self.mem.device):
+                self._mapped = cudamem.PinnedHost(
+                    base, self.layout.byte_size, self.mem.device, mapped=True
+                )
+            self.ids_host = torch.from_numpy(self.ids)
+            self.w_host = torch.from_numpy(self.w)
+        dev = self._mapped.device_ptr
+        return dev + dp.Control.req_seq.offset, dev + dp.Control.done_seq.offset
 
     def write_proof(self, nonce: int) -> None:
         """The registration nonce into the device out region too (the shard reads it
@@ -134,7 +163,15 @@ class CudaIpcSlot(Slot):
         share it)."""
         if not gathered:
             self.stream.synchronize()
-        super().ring()
+        if not self.sem:
+            super().ring()
+            return
+        ctl = self.ctl
+        self.seq = (ctl.req_seq + 1) & 0xFFFFFFFF
+        ctl.seen_ns = 0
+        self.ring_ns = time.monotonic_ns()
+        ctl.req_seq = self.seq  # after the data, as Slot.ring
+        dp.sem_post(self.sem)
 
     def result(self) -> torch.Tensor:
         """The answer: bf16 [rows, H] viewing the out region on the shard's GPU (read it
@@ -148,6 +185,12 @@ class CudaIpcSlot(Slot):
         if self.reading:  # a caller's stream may still read the out region
             self.read_done.synchronize()
             self.reading = False
+        self.done.synchronize()  # an on-stream call's copies and host function are done
+        self.ids_host = self.w_host = None
+        if self._mapped is not None:
+            mapped, self._mapped = self._mapped, None
+            with contextlib.suppress(Exception):
+                mapped.release()
         super().unmap()
         self.x_dev = self.out_dev = None
         mem, self.mem = self.mem, None

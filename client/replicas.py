@@ -53,6 +53,7 @@ class Endpoint:
     why: str = "not described yet"  # why it is out of rotation
     outstanding: int = 0  # Forward calls in flight
     calls: int = 0  # Forward calls answered (for stats and tests)
+    stream_calls: int = 0  # of them, queued on a caller's CUDA stream (client/onstream.py)
     failures: int = 0  # consecutive failures (drives the probe backoff)
     next_probe: float = 0.0  # monotonic time of the next Describe
     stream: ForwardStream | None = None  # the multiplexed ForwardStream, opened on first use
@@ -117,6 +118,7 @@ class Pool:
                 "why": ep.why,
                 "outstanding": ep.outstanding,
                 "calls": ep.calls,
+                "stream_calls": ep.stream_calls,
                 "instance_id": ep.info.instance_id if ep.info else "",
                 "transport": ep.dataplane.name if ep.dataplane is not None else "grpc",
                 "transport_why": ep.dataplane_why,

@@ -21,12 +21,14 @@ from PollerCompletionQueue._handle_events).
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future
 
 import torch
 
 from expertd import tracing
 from expertd.aioloop import shared_loop
+from expertd.client import onstream
 from expertd.client.aio import AsyncExpertClient, Fallback
 from expertd.client.core import to_caller
 from expertd.client.routing import Topology
@@ -39,9 +41,15 @@ class ExpertClient:
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
         token, tls, max_attempts, retry_backoff, refresh_s, transport,
         attempt_share, busy_retries, busy_backoff). transport "auto" (the default)
-        picks shared memory for each shard on this host, see docs/dataplane.md."""
+        picks shared memory for each shard on this host, see docs/dataplane.md.
+
+        on_stream (default False): a CUDA caller's calls that cuda-ipc slots can carry
+        are queued on its current stream and `forward` returns at once; their errors
+        are raised by a later `forward` or by `synchronize()` (client/onstream.py)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
+        on_stream = bool(options.pop("on_stream", False))
+        self._tracker = onstream.Tracker() if on_stream else None
         self._loop = shared_loop("expertd-client")
         self._closed = False
         # (on failure connect closes what it opened)
@@ -123,6 +131,12 @@ class ExpertClient:
         over, every slot busy) runs on the client's event loop, as `submit` does."""
         self._check_open()
         client = self._client
+        if self._tracker is not None:
+            self._tracker.raise_error()
+            if hidden_states.is_cuda and kwargs.keys() <= {"timeout"}:
+                out = self._on_stream(layer, hidden_states, topk_ids, topk_weights, **kwargs)
+                if out is not None:
+                    return out
         inputs, deadline, md = client.prepare(hidden_states, topk_ids, topk_weights, **kwargs)
         try:
             if not client.direct_ready():
@@ -133,11 +147,70 @@ class ExpertClient:
             out = self._run(client.execute(layer, inputs, deadline, md, parent))
         return to_caller(out, inputs)  # on this thread: non-blocking, on the caller's stream
 
+    def _on_stream(self, layer, hidden_states, topk_ids, topk_weights, timeout=None):
+        """Queue the call on the caller's stream (client/onstream.py) -> its bf16 [M, H]
+        output, or None when that path cannot take it."""
+        client = self._client
+        topo = client.topology
+        if topo is None:
+            return None
+        m = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+        if (
+            hidden_states.dim() != 2
+            or hidden_states.shape[1] != topo.hidden_size
+            or topk_ids.dim() != 2
+            or topk_ids.shape[0] != m
+            or topk_weights.shape != topk_ids.shape
+            or topk_ids.dtype.is_floating_point
+            or topk_ids.dtype == torch.bool
+            or topk_ids.device != hidden_states.device
+            or topk_weights.device != hidden_states.device
+        ):
+            return None  # the usual path checks and words the error
+        picked = client.stream_slot(layer, hidden_states.device)
+        while picked is None and self._tracker.wait_one():  # every slot queued: the oldest
+            picked = client.stream_slot(layer, hidden_states.device)
+        if picked is None:
+            return None
+        ep, shard, slot = picked
+        timeout = client.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        x = hidden_states.detach()
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        try:
+            out = onstream.enqueue(
+                slot, layer, x, topk_ids.detach(), topk_weights.detach(), timeout
+            )
+        except ValueError:
+            slot.release()  # refused before anything was queued
+            raise
+        except BaseException:
+            # something may be queued already: the tracker sees it answered, or ends it
+            self._tracker.add(slot, deadline, ep, layer, list(shard.experts))
+            raise
+        if out is None:  # this slot cannot: the usual path
+            slot.release()
+            return None
+        self._tracker.add(slot, deadline, ep, layer, list(shard.experts))
+        ep.calls += 1
+        ep.stream_calls += 1
+        return out
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every call queued on a stream (on_stream) is finished, then raise
+        the first one's error that no call has raised yet (ShardCallError). The
+        outputs of a failed call hold no answer."""
+        if self._tracker is not None:
+            self._tracker.synchronize(timeout)
+
     def close(self) -> None:
         """Close the channels (calls still in flight fail); the shared loop keeps running."""
         if self._closed:
             return
         self._closed = True
+        if self._tracker is not None:
+            self._tracker.close()  # each queued call is answered or fails at its deadline
         self._run(self._client.close())
 
     def __enter__(self) -> ExpertClient:

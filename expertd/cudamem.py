@@ -122,6 +122,11 @@ def runtime() -> ctypes.CDLL:
             )
             lib.cudaIpcCloseMemHandle.argtypes = (ctypes.c_void_p,)
             lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+            lib.cudaHostGetDevicePointer.argtypes = (
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.c_void_p,
+                ctypes.c_uint,
+            )
             lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
             _lib = lib
             return lib
@@ -229,20 +234,37 @@ class ImportedBuffer:
             _check(runtime().cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped
+
+
 class PinnedHost:
     """`nbytes` of host memory at `addr` (mapped by the caller, page aligned), page-locked
     and registered with the CUDA driver (cudaHostRegister) for as long as this object
     is not released: torch's non_blocking copies between it and a GPU are then
-    asynchronous DMA. Every page is made resident by the registration."""
+    asynchronous DMA. Every page is made resident by the registration.
 
-    def __init__(self, addr: int, nbytes: int, device: torch.device) -> None:
+    `mapped`: also mapped into the GPUs' address space; `device_ptr` is then where a
+    stream's memory operations (`write_value`, `wait_value`) reach it."""
+
+    def __init__(self, addr: int, nbytes: int, device: torch.device, mapped: bool = False) -> None:
         self.device = torch.device(device)
         self.nbytes = nbytes
+        flags = _HOST_REGISTER_MAPPED | _HOST_REGISTER_PORTABLE if mapped else 0
+        lib = runtime()
+        self.device_ptr = 0
         with torch.cuda.device(self.device):
             _check(
-                runtime().cudaHostRegister(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), 0),
+                lib.cudaHostRegister(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), flags),
                 "cudaHostRegister",
             )
+            if mapped:
+                ptr = ctypes.c_void_p()
+                rc = lib.cudaHostGetDevicePointer(ctypes.byref(ptr), ctypes.c_void_p(addr), 0)
+                if rc != 0:
+                    lib.cudaHostUnregister(ctypes.c_void_p(addr))
+                    _check(rc, "cudaHostGetDevicePointer")
+                self.device_ptr = ptr.value
         self.addr: int | None = addr
 
     def release(self) -> None:
@@ -253,3 +275,76 @@ class PinnedHost:
         addr, self.addr = self.addr, None
         with torch.cuda.device(self.device):
             _check(runtime().cudaHostUnregister(ctypes.c_void_p(addr)), "cudaHostUnregister")
+
+
+# -- stream memory operations (the CUDA driver API) -------------------------------------
+
+# cuStreamWaitValue32 conditions
+WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ (cyclic: (int32)(*addr - value) >= 0)
+WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+_driver: ctypes.CDLL | None = None
+_driver_fns: dict[str, ctypes._CFuncPtr] = {}
+
+
+def _driver_fn(lib: ctypes.CDLL, *names: str):
+    for name in names:  # the _v2 entry points are what cuda.h names them since CUDA 11.7
+        try:
+            return getattr(lib, name)
+        except AttributeError:
+            continue
+    raise CudaIpcError(f"the CUDA driver has none of {', '.join(names)}")
+
+
+def driver() -> dict:
+    """The driver functions that put memory operations and host functions on a stream
+    (libcuda, which torch's CUDA runtime loaded already); CudaIpcError without them."""
+    global _driver
+    runtime()  # CUDA initialized: the driver is loaded and has a context (takes _lock)
+    with _lock:
+        if _driver is not None:
+            return _driver_fns
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CudaIpcError(f"the CUDA driver library is not loadable: {e}") from None
+        write = _driver_fn(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        wait = _driver_fn(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        for fn in (write, wait):
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+            fn.restype = ctypes.c_int
+        host = _driver_fn(lib, "cuLaunchHostFunc")
+        host.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        host.restype = ctypes.c_int
+        lib.cuGetErrorString.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        _driver_fns.update(write=write, wait=wait, host=host, lib=lib)
+        _driver = lib
+        return _driver_fns
+
+
+def _check_driver(rc: int, what: str) -> None:
+    if rc != 0:
+        text = ctypes.c_char_p()
+        _driver_fns["lib"].cuGetErrorString(rc, ctypes.byref(text))
+        name = text.value.decode(errors="replace") if text.value else "unknown error"
+        raise CudaIpcError(f"{what}: {name} (CUDA driver error {rc})")
+
+
+def write_value(stream: torch.cuda.Stream, device_ptr: int, value: int) -> None:
+    """Queue on `stream`: store the u32 `value` at `device_ptr`, after a fence that makes
+    the stream's earlier writes visible first (cuStreamWriteValue32's default)."""
+    fns = _driver_fns or driver()
+    _check_driver(fns["write"](stream.cuda_stream, device_ptr, value, 0), "cuStreamWriteValue32")
+
+
+def wait_value(stream: torch.cuda.Stream, device_ptr: int, value: int, how: int = WAIT_EQ) -> None:
+    """Queue on `stream`: wait until the u32 at `device_ptr` meets `value` (`how`)."""
+    fns = _driver_fns or driver()
+    _check_driver(fns["wait"](stream.cuda_stream, device_ptr, value, how), "cuStreamWaitValue32")
+
+
+def host_call(stream: torch.cuda.Stream, fn: int, arg: int) -> None:
+    """Queue on `stream`: run the C function `fn(arg)` (void (*)(void*)) on the driver's
+    thread once the stream's earlier work is done (it must not call CUDA)."""
+    fns = _driver_fns or driver()
+    _check_driver(fns["host"](stream.cuda_stream, fn, arg), "cuLaunchHostFunc")

@@ -49,6 +49,7 @@ REFUSED = b"X"  # shard -> client: REFUSED + why (then the socket closes)
 DONE = b"D"  # shard -> client: DONE + slot index (u32), sent when the call asked (notify)
 
 FLAG_NOTIFY = 1  # control flags: also send DONE on the lease socket when finished
+FLAG_STREAM = 2  # cuda-ipc: queued on the client's stream, which waits for done_seq
 
 
 class Control(ctypes.Structure):
@@ -88,11 +89,30 @@ class Control(ctypes.Structure):
         # so the caller can tell the two wake-ups from the shard's own time
         ("seen_ns", ctypes.c_uint64),
         ("answered_ns", ctypes.c_uint64),
+        # What the shard's slot offers (FEATURE_* bits, written once when it is made; 0
+        # from a shard that predates them), and how this lease's client wakes the waiter
+        # (WAKE_SEM: it posts the slot's semaphore, not FUTEX_WAKE; written before PROOF).
+        ("features", ctypes.c_uint32),
+        ("wake", ctypes.c_uint32),
+        # cuda-ipc: the call's rows are in the out region (the shard's stream stores seq
+        # here once its copies are done, before the host has looked at the call's flags;
+        # the host stores it too with every answer, error or not). A call queued on the
+        # client's stream (FLAG_STREAM) waits for this word, not for resp_seq.
+        ("done_seq", ctypes.c_uint32),
     )
 
 
+# A process-shared POSIX semaphore (glibc's sem_t: 32 bytes) in bytes [192, 224) of a
+# cuda-ipc slot's control block: the waiter's wake-up when the doorbell is rung from a
+# CUDA stream (the stream writes req_seq, then runs sem_post as a host function: a
+# function of one pointer, which FUTEX_WAKE through syscall() is not).
+SEM_OFFSET = 192
+SEM_BYTES = 32
+FEATURE_SEM = 1  # the slot's semaphore is initialized: the client may wake with it
+WAKE_SEM = 1
 ERROR_OFFSET = 256  # error text: bytes [256, 256 + ERROR_BYTES) of the control block
-assert ctypes.sizeof(Control) <= ERROR_OFFSET
+assert ctypes.sizeof(Control) <= SEM_OFFSET
+assert SEM_OFFSET + SEM_BYTES <= ERROR_OFFSET
 assert ERROR_OFFSET + ERROR_BYTES <= CONTROL_BYTES
 
 TIMING_FIELDS = (
@@ -218,6 +238,14 @@ _libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during ea
 _syscall = _libc.syscall
 _sched_yield = _libc.sched_yield
 _syscall.restype = ctypes.c_long
+_sem_init = _libc.sem_init
+_sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+_sem_post = _libc.sem_post
+_sem_post.argtypes = (ctypes.c_void_p,)
+_sem_timedwait = _libc.sem_timedwait
+_sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+_sem_wait = _libc.sem_wait
+_sem_wait.argtypes = (ctypes.c_void_p,)
 
 
 def available() -> bool:
@@ -330,11 +358,45 @@ class Recent:
         return max(self._v) if self._v else 0.0
 
 
+def sem_init(addr: int) -> None:
+    """A process-shared semaphore of value 0 at `addr` (SEM_BYTES, 8-aligned)."""
+    if _sem_init(addr, 1, 0) != 0:
+        raise OSError(ctypes.get_errno(), "sem_init failed")
+
+
+def sem_post(addr: int) -> None:
+    _sem_post(addr)
+
+
+def sem_post_address() -> int:
+    """libc's sem_post, as a function pointer (a CUDA host function: void (*)(void*))."""
+    return ctypes.cast(_sem_post, ctypes.c_void_p).value
+
+
+def sem_sleep(addr: int, timeout_s: float | None) -> None:
+    """Sleep until the semaphore at `addr` is posted (taking one post), at most
+    timeout_s (None: no limit). Returns on a post, a timeout or a signal: the caller
+    re-reads the word it waits for (a post may be older than the change it announced)."""
+    if timeout_s is None:
+        _sem_wait(addr)
+        return
+    end = time.time() + max(timeout_s, 0.0)  # sem_timedwait takes CLOCK_REALTIME
+    sec = int(end)
+    _sem_timedwait(addr, ctypes.byref(_Timespec(sec, int((end - sec) * 1e9))))
+
+
 def wait_word(
-    ctl: Control, field: str, addr: int, old: int, deadline: float | None, spin_s: float
+    ctl: Control,
+    field: str,
+    addr: int,
+    old: int,
+    deadline: float | None,
+    spin_s: float,
+    sem: int = 0,
 ) -> bool:
     """Wait until ctl.<field> != old (True) or time.monotonic() passes `deadline` (False):
-    spin for spin_s, then sleep in FUTEX_WAIT slices (GIL released)."""
+    spin for spin_s, then sleep in FUTEX_WAIT slices (GIL released), or on the
+    semaphore at `sem` when given (a word a CUDA stream writes: no FUTEX_WAKE follows)."""
     if getattr(ctl, field) != old:
         return True
     now = time.monotonic()
@@ -350,7 +412,10 @@ def wait_word(
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return False
-        futex_wait(addr, old, None if deadline is None else deadline - now)
+        if sem:
+            sem_sleep(sem, None if deadline is None else deadline - now)
+        else:
+            futex_wait(addr, old, None if deadline is None else deadline - now)
 
 
 # -- memory ----------------------------------------------------------------------------

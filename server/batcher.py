@@ -311,19 +311,22 @@ class Batcher:
 
     def _start(self, jobs: list[Job]) -> Flight:
         args = [j.args for j in jobs]
-        outs = None
+        outs = bells = None
         # cuda-ipc slots (x on the device) or page-locked host slots: the runner copies
         # x from and the rows into the callers' slots itself
         if args[0].x.is_cuda or self._direct(jobs):
             outs = [j.sink.device_out(j.tokens) for j in jobs]
             if any(o is None for o in outs):  # a host slot the driver would not lock
                 outs = None
+            elif args[0].x.is_cuda:  # calls queued on their clients' streams
+                bells = [j.sink.stream_bell() for j in jobs]
         return self.runner.launch(
             args[0].layer,
             [a.x for a in args],
             [a.ids for a in args],
             [a.weights for a in args],
             outs,
+            bells,
         )
 
     def _direct(self, jobs: list[Job]) -> bool:

@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from expertd.cudamem import on_stream
+from expertd.cudamem import on_stream, write_value
 from expertd.progress import Progress
 from expertd.server.bank import ExpertBank
 from expertd.server.graphs import (
@@ -275,14 +275,17 @@ class BatchRunner:
             flight.release()
         return result.out, result.bad
 
-    def launch(self, layer: int, xs, ids, ws, outs=None) -> Flight:
+    def launch(self, layer: int, xs, ids, ws, outs=None, bells=None) -> Flight:
         """Start one merged batch (requests' host tensors, in order) in a free slot.
 
         `outs` (CUDA only; cuda-ipc slots, page-locked shm slots): outs[i] (bf16
         [rows_i, H], on a device or in page-locked host memory) takes request i's
         output rows, and the requests' x (the same kinds of memory) are copied to the
         device as they are; the result then carries only the NaN/Inf flags, on the
-        host. ids and weights are host tensors either way.
+        host. ids and weights are host tensors either way. `bells` (with `outs`):
+        per request None or (the GPU address of a u32, a value) that the stream stores
+        once the request's rows are in outs[i] (a call queued on its client's stream
+        goes on from there).
 
         Refuses (RuntimeError) when all `depth` slots hold unreleased batches."""
         start = time.perf_counter_ns()
@@ -312,7 +315,9 @@ class BatchRunner:
                 queued = True
                 if outs is not None:
                     alone = self._slots.free == self.depth - 1  # no other batch in flight
-                    self._enqueue_device(slot, layer, state, layout, bucket, m, xs, outs, alone)
+                    self._enqueue_device(
+                        slot, layer, state, layout, bucket, m, xs, outs, alone, bells
+                    )
                 else:
                     self._enqueue(slot, layer, state, layout, bucket, m, fused)
             return flight
@@ -386,6 +391,7 @@ class BatchRunner:
         xs,
         outs,
         alone: bool = False,
+        bells=None,
     ) -> None:
         """`_enqueue` for inputs and outputs the copies reach directly (cuda-ipc slots'
         device memory, page-locked shm slots): the routes go up from the host buffer,
@@ -441,6 +447,10 @@ class BatchRunner:
                 if rows:
                     out.copy_(out_dev[row : row + rows], non_blocking=True)
                     row += rows
+            if bells is not None:
+                for bell in bells:
+                    if bell is not None:
+                        write_value(download, *bell)
             slot.downloaded.record(download)
 
     def _collect(self, flight: Flight) -> Result:

@@ -155,6 +155,14 @@ class Slot:
         base = ctypes.addressof(self.ctl)
         self.req_addr = base + dp.Control.req_seq.offset
         self.resp_addr = base + dp.Control.resp_seq.offset
+        # cuda-ipc: the slot's semaphore (dp.SEM_OFFSET), what a client whose doorbell a
+        # CUDA stream rings wakes the waiter with; `sem` is its address once the lease's
+        # client said it wakes that way (dp.WAKE_SEM), else 0 (FUTEX_WAKE on req_seq).
+        self.sem = 0
+        self._mapped: cudamem.PinnedHost | bool | None = None  # stream_bell's mapping
+        if layout.device:
+            dp.sem_init(base + dp.SEM_OFFSET)
+            self.ctl.features = dp.FEATURE_SEM
         self.lock = threading.Lock()
         self.busy = False  # a call is in flight (from the doorbell to its answer)
         self.seq = 0  # the call being answered
@@ -227,6 +235,26 @@ class Slot:
             return None
         return self._pins.out_rows(m)
 
+    def stream_bell(self) -> tuple[int, int] | None:
+        """A cuda-ipc call queued on its client's stream (FLAG_STREAM): (the GPU address
+        of done_seq, the call's seq), for the runner's stream to store once the rows are
+        in the out region; None for any other call, or where the host slot cannot be
+        mapped for the GPU (the host's store then releases the client's stream)."""
+        ctl = self.ctl
+        if self.dev is None or ctl is None or not ctl.flags & dp.FLAG_STREAM:
+            return None
+        if self._mapped is None:
+            try:
+                self._mapped = cudamem.PinnedHost(
+                    ctypes.addressof(ctl), self.layout.byte_size, self.dev.device, mapped=True
+                )
+            except cudamem.CudaIpcError as e:
+                log.warning("slot not mapped for the GPU's answers: %s", e)
+                self._mapped = False
+        if not self._mapped:
+            return None
+        return self._mapped.device_ptr + dp.Control.done_seq.offset, self.seq
+
     def device_proof(self) -> int:
         """cuda-ipc: the u64 at the start of the output region (the client's nonce)."""
         return int(self._out_dev[:4].view(torch.int64).item())
@@ -268,6 +296,7 @@ class Slot:
         ctl = self.ctl
         notify = ctl.flags & dp.FLAG_NOTIFY
         ctl.answered_ns = time.monotonic_ns()
+        ctl.done_seq = self.seq
         ctl.resp_seq = self.seq
         dp.futex_wake(self.resp_addr)
         self.busy = False
@@ -280,6 +309,8 @@ class Slot:
     def close(self) -> None:
         """Unmap now unless a call is in flight (then once it is answered)."""
         with self.lock:
+            if self.sem and self.ctl is not None:
+                dp.sem_post(self.sem)  # the waiter sees the lease's end now, not a slice later
             if not self.busy:
                 self._unmap()
         self.answered.set()
@@ -290,6 +321,10 @@ class Slot:
         if self._pins is not None:  # before the mapping can go
             self._pins.release()
             self._pins = None
+        if self._mapped:  # answered: no queued store reaches it any more
+            with contextlib.suppress(cudamem.CudaIpcError):
+                self._mapped.release()
+        self._mapped = None
         self.ctl = None
         self._x = self._ids_in = self._w_in = self._out = self._out_dev = None
         self.mm = None
@@ -495,6 +530,8 @@ class SlotRegistry:
             if ctl is None:
                 raise ValueError("the lease ended during registration")
             ctl.nonce = 0
+            if slot.dev is not None and ctl.wake == dp.WAKE_SEM:
+                slot.sem = ctypes.addressof(ctl) + dp.SEM_OFFSET
             slot.thread = threading.Thread(
                 target=self._wait_loop, args=(slot,), name="expertd-slot", daemon=True
             )
@@ -540,9 +577,9 @@ class SlotRegistry:
             if 0.0 < low < NEXT_MAX_S and ctl.req_seq == last:
                 due = answered + low - NEXT_EARLY_S
                 if due > now:  # asleep until shortly before the next call is due
-                    dp.wait_word(ctl, "req_seq", slot.req_addr, last, due, 0.0)
+                    dp.wait_word(ctl, "req_seq", slot.req_addr, last, due, 0.0, slot.sem)
                 spin = NEXT_EARLY_S + NEXT_SPIN_S
-            if not dp.wait_word(ctl, "req_seq", slot.req_addr, last, deadline, spin):
+            if not dp.wait_word(ctl, "req_seq", slot.req_addr, last, deadline, spin, slot.sem):
                 answered = 0.0  # a slice without a call: no pace to keep
                 continue
             if gaps is not None and answered:

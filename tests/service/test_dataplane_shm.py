@@ -10,6 +10,8 @@ import ctypes
 import mmap
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -326,6 +328,43 @@ def test_futex_word_address_is_in_the_mapping():
     t0 = time.monotonic()
     dp.futex_wait(addr, 0, 0.05)  # the word is 0: sleeps until the timeout
     assert time.monotonic() - t0 >= 0.04
+    del ctl
+    mm.close()
+    os.close(fd)
+
+
+def test_slot_semaphore_wakes_a_waiter_from_another_process():
+    """cuda-ipc slots' wake-up: a process-shared semaphore in the control block, posted
+    after the doorbell word is stored (here by a second process, as a CUDA stream's
+    host function would); without a post the waiter sleeps until its deadline."""
+    fd = dp.sealed_memfd("sem-probe", dp.PAGE)
+    mm = mmap.mmap(fd, dp.PAGE)
+    ctl = dp.Control.from_buffer(mm)
+    base = ctypes.addressof(ctl)
+    sem = base + dp.SEM_OFFSET
+    dp.sem_init(sem)
+    req = base + dp.Control.req_seq.offset
+    t0 = time.monotonic()
+    assert not dp.wait_word(ctl, "req_seq", req, 0, t0 + 0.05, 0.0, sem)
+    assert time.monotonic() - t0 >= 0.04
+    child = (
+        "import ctypes, mmap, sys, time\n"
+        "from expertd import dataplane as dp\n"
+        "fd = int(sys.argv[1])\n"
+        "mm = mmap.mmap(fd, dp.PAGE)\n"
+        "ctl = dp.Control.from_buffer(mm)\n"
+        "time.sleep(0.2)\n"
+        "ctl.req_seq = 1\n"
+        "dp.sem_post(ctypes.addressof(ctl) + dp.SEM_OFFSET)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(fd)], pass_fds=[fd])
+    try:
+        t0 = time.monotonic()
+        assert dp.wait_word(ctl, "req_seq", req, 0, t0 + 30.0, 0.0, sem)
+        assert ctl.req_seq == 1 and time.monotonic() - t0 < 20.0
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
     del ctl
     mm.close()
     os.close(fd)

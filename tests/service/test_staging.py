@@ -418,7 +418,7 @@ def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
     )
     launch, failing = runner.launch, {3}
 
-    def launch_or_fail(layer, xs, ids, ws, outs=None):
+    def launch_or_fail(layer, xs, ids, ws, outs=None, bells=None):
         if xs[0].shape[0] in failing:
             raise RuntimeError("device fault (simulated)")
         return launch(layer, xs, ids, ws)

@@ -1,0 +1,256 @@
+"""Layer calls queued on the caller's CUDA stream (`ExpertClient(..., on_stream=True)`).
+
+A CUDA caller's call over cuda-ipc slots normally needs its host: the routes are
+copied to the host and checked there (a wait for the caller's stream), the doorbell
+is a host store, and the host waits for the answer. On a decode loop that keeps the
+frontend's CPU from running ahead of its GPU, and each call pays that round trip.
+
+Here the whole call is work on the caller's current stream, and `forward` returns
+as soon as it is queued, like any torch op:
+
+    copy x's rows into the slot's device x region            (device to device)
+    copy ids (as int32) and weights (as fp32) into the slot's routes regions
+                                                              (device to host, DMA into the
+                                                              page-locked control slot)
+    write req_seq = seq                                       (cuStreamWriteValue32 on the
+                                                              control block, mapped for the GPU)
+    sem_post(the slot's semaphore)                            (a host function: wakes a
+                                                              sleeping shard waiter)
+    wait until done_seq == seq                                (cuStreamWaitValue32)
+    copy the answer's rows out of the slot's device out region
+
+The shard sees the doorbell as any other (its waiter spins or sleeps on the
+semaphore), checks the call, runs it and answers as always; the call's flag
+(FLAG_STREAM) makes its own stream store done_seq once the rows are in the out
+region, so the caller's stream goes on without waiting for the shard's host to see
+the batch finish (the shard's host stores done_seq too, with every answer: a call
+refused before it ran releases the caller's stream the same way). Nothing in the
+call waits on the caller's host.
+
+What the host still does: a slot is handed to one call at a time. A `Tracker`
+thread watches each queued call: once the shard has answered and the caller's
+stream has copied the answer out, it checks the answer's status and gives the slot
+back. Errors therefore arrive late, as a CUDA error does: the next `forward` (or
+`synchronize`) raises the first failed call's ShardCallError, naming the shard, the
+layer and the status. A call whose shard does not answer within its deadline, or
+whose lease ends (the shard died), is failed by the tracker: it stores done_seq
+itself, so the caller's stream is not left waiting forever, and drops the lease
+(the next calls lease new slots, or use gRPC). The answer rows of a failed call are
+whatever the slot held: read them only after `synchronize` has returned.
+
+Where this path does not apply (a call whose routes reach more than one shard,
+a shard without cuda-ipc slots or too old for the semaphore, tracing on, a CPU
+caller), `forward` runs the call the usual way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import grpc
+import torch
+
+from expertd import cudamem
+from expertd import dataplane as dp
+from expertd.client.cudaipc import CudaIpcSlot
+from expertd.client.errors import ShardCallError
+from expertd.client.shm import EOF_CHECK_S
+
+log = logging.getLogger("expertd.client")
+
+_SEM_POST: int | None = None
+
+
+def _sem_post() -> int:
+    global _SEM_POST
+    if _SEM_POST is None:
+        _SEM_POST = dp.sem_post_address()
+    return _SEM_POST
+
+
+def enqueue(slot: CudaIpcSlot, layer: int, x, ids, w, timeout: float) -> torch.Tensor | None:
+    """Queue one call on the caller's current stream of x's device -> bf16 [M, H] (the
+    answer, complete once the stream gets there), or None with nothing queued when
+    this slot cannot take calls from a stream (its memory cannot be mapped for the
+    GPU: the slot is not offered for it again). x: bf16 [M, H] on the slot's GPU;
+    ids, w: [M, k] on the GPU (any integer / float dtype). ValueError, with nothing
+    queued, for a call that does not fit the slot."""
+    m, k = ids.shape
+    lay = slot.layout
+    if m > lay.max_tokens or (m and k > lay.top_k):
+        raise ValueError(f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}")
+    try:
+        req_dev, done_dev = slot.stream_words()
+    except cudamem.CudaIpcError as e:
+        log.warning("on-stream calls unavailable on a cuda-ipc slot: %s", e)
+        slot.sem = 0  # stream_slot skips it from now on
+        return None
+    stream = torch.cuda.current_stream(x.device)
+    ctl = slot.ctl
+    seq = (ctl.req_seq + 1) & 0xFFFFFFFF  # the slot is idle: req_seq is the last call's
+    ctl.layer = layer
+    ctl.m = m
+    ctl.k = k
+    ctl.flags = dp.FLAG_STREAM
+    ctl.timeout_us = max(int(timeout * 1e6), 1)
+    ctl.span_id = 0
+    ctl.seen_ns = 0
+    slot.seq = seq
+    slot.rows = m
+    slot.ring_ns = time.monotonic_ns()
+    if slot.reading:  # a sum on another stream may still read the out region
+        stream.wait_event(slot.read_done)
+        slot.reading = False
+    if m:
+        slot.x_dev[:m].copy_(x, non_blocking=True)
+        slot.ids_host[: m * k].view(m, k).copy_(ids, non_blocking=True)
+        slot.w_host[: m * k].view(m, k).copy_(w, non_blocking=True)
+    cudamem.write_value(stream, req_dev, seq)
+    if slot.sem:
+        cudamem.host_call(stream, _sem_post(), slot.sem)
+    cudamem.wait_value(stream, done_dev, seq, cudamem.WAIT_EQ)
+    out = torch.empty((m, lay.hidden), dtype=torch.bfloat16, device=x.device)
+    if m:
+        out.copy_(slot.out_dev[:m], non_blocking=True)
+    slot.done.record(stream)
+    return out
+
+
+class _Call:
+    __slots__ = ("deadline", "ep", "experts", "layer", "slot")
+
+    def __init__(self, slot, deadline: float, ep, layer: int, experts) -> None:
+        self.slot = slot
+        self.deadline = deadline
+        self.ep = ep  # the replica (client/replicas.Endpoint): its last_timing is set here
+        self.layer = layer
+        self.experts = experts
+
+
+class Tracker:
+    """The calls queued on callers' streams and not yet finished (see the module's
+    docstring), and the errors they ended with, oldest first."""
+
+    def __init__(self) -> None:
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._cond = threading.Condition()
+        self._errors: list[ShardCallError] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._calls)
+
+    def add(self, slot, deadline: float, ep, layer: int, experts) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="expertd-on-stream", daemon=True
+                )
+                self._thread.start()
+            self._calls.append(_Call(slot, deadline, ep, layer, experts))
+            self._cond.notify_all()
+
+    def wait_one(self) -> bool:
+        """Wait until the oldest queued call is finished (its slot given back); False
+        when none is queued."""
+        with self._cond:
+            if not self._calls:
+                return False
+            oldest = self._calls[0]
+            while self._calls and self._calls[0] is oldest:
+                self._cond.wait()
+            return True
+
+    def raise_error(self) -> None:
+        """Raise the first failed call's error (and forget it), if any."""
+        with self._cond:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every queued call is finished (its deadline bounds that), then
+        raise the first error, if any."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._calls:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(self._calls)} queued call(s) still running")
+                self._cond.wait(left)
+        self.raise_error()
+
+    def close(self) -> None:
+        """Finish what is queued (each call within its deadline), then stop."""
+        with self._cond:
+            while self._calls:
+                self._cond.wait()
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls and not self._closed:
+                    self._cond.wait()
+                if not self._calls:
+                    return
+                call = self._calls[0]
+            try:
+                self._finish(call)
+            except Exception as e:  # never leave a caller's stream waiting
+                log.exception("on-stream call tracking failed")
+                self._fail(call, grpc.StatusCode.INTERNAL, f"client: {e}")
+            with self._cond:
+                self._calls.popleft()
+                self._cond.notify_all()
+
+    def _finish(self, call: _Call) -> None:
+        slot = call.slot
+        ctl = slot.ctl
+        old = (slot.seq - 1) & 0xFFFFFFFF
+        while ctl.resp_seq != slot.seq:
+            now = time.monotonic()
+            if slot.lease.check_closed():
+                why = slot.lease.why or "lease ended"
+                self._fail(call, grpc.StatusCode.UNAVAILABLE, f"shard's slot lease ended: {why}")
+                return
+            if now >= call.deadline:
+                self._fail(call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                return
+            until = min(call.deadline, now + EOF_CHECK_S)
+            if dp.wait_word(ctl, "resp_seq", slot.resp_addr, old, until, 0.0):
+                old = ctl.resp_seq
+        slot.done.synchronize()  # the caller's stream has copied the answer out
+        try:
+            slot.checked_rows()
+        except Exception as e:  # the shard's status, or a row count that is not the call's
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.INTERNAL
+            details = e.details() if hasattr(e, "details") else str(e)
+            self._record(call, code, details)
+        else:
+            call.ep.last_timing = slot.timing()
+        slot.release()
+
+    def _fail(self, call: _Call, code, details: str) -> None:
+        """The shard will not answer in time: let the caller's stream go on (done_seq
+        stored here), record the error, and drop the lease: the slot may still be
+        answered later, so it is never used again."""
+        slot = call.slot
+        if slot.ctl is not None:
+            slot.ctl.done_seq = slot.seq
+            slot.done.synchronize()
+        self._record(call, code, details)
+        slot.lease._ended(f"an on-stream call failed: {details}")  # the loop closes it
+        slot.release()  # unmapped: its lease has ended
+
+    def _record(self, call: _Call, code, details: str) -> None:
+        err = ShardCallError(call.ep.address, call.layer, call.experts, code, details)
+        log.warning("on-stream call failed: %s", err)
+        with self._cond:
+            self._errors.append(err)
