@@ -158,6 +158,7 @@ class AsyncExpertClient:
         # RegisterSlots carries the client's own metadata and token.
         self._register_md = call_metadata(self._metadata, token, None, None)
         self._turn = 0
+        self._partitions: dict = {}  # (id(topology), layer) -> (topology, shards or None)
         self._candidates: dict = {}  # (topology, layer, live shards) -> RouteTable
         self.topology: Topology | None = None
 
@@ -456,16 +457,42 @@ class AsyncExpertClient:
             for _part, _ep, slot in held:
                 slot.release()
 
-    def stream_slot(self, layer: int, device: torch.device):
-        """(replica, shard, free cuda-ipc slot) for a call queued on a CUDA caller's
-        stream (client/onstream.py), or None: the topology has more than one shard, its
-        replica is not on cuda-ipc slots with a semaphore on `device`, or none is free."""
+    def stream_slots(self, layer: int, device: torch.device):
+        """[(replica, shard, free cuda-ipc slot)], one per shard of `layer`, for a call
+        queued on a CUDA caller's stream (client/onstream.py: every shard gets every
+        token), or None: the layer's shards do not own each expert exactly once, one
+        is not on cuda-ipc slots with a semaphore on `device`, or has none free."""
         topo = self.topology
-        if topo is None or len(topo.shards) != 1 or tracing.active():
+        if topo is None or tracing.active():
             return None
-        shard = topo.shards[0]
-        if layer not in shard.layers:
-            return None  # the usual path words the error
+        shards = self._partition(topo, layer)
+        if shards is None:
+            return None
+        picked = []
+        for shard in shards:
+            got = self._stream_slot(shard, device)
+            if got is None:
+                for ep, _shard, slot in picked:
+                    ep.dataplane.release(slot)
+                return None
+            picked.append((got[0], shard, got[1]))
+        return picked
+
+    def _partition(self, topo: Topology, layer: int):
+        """The shards serving `layer` when they own each of the E experts exactly once
+        (so every shard can be sent every route), else None."""
+        key = (id(topo), layer)
+        if key not in self._partitions:
+            shards = [s for s in topo.shards if layer in s.layers]
+            owned = sorted(e for s in shards for e in s.experts)
+            whole = owned == list(range(topo.num_experts))
+            if len(self._partitions) > 4096:
+                self._partitions.clear()
+            self._partitions[key] = (topo, shards if whole else None)  # topo: id stays its
+        return self._partitions[key][1]
+
+    def _stream_slot(self, shard, device: torch.device):
+        """(replica, free cuda-ipc slot with a semaphore on `device`) of one shard."""
         addresses = shard.addresses
         n = len(addresses)
         for i in range(n):
@@ -486,7 +513,7 @@ class AsyncExpertClient:
             if not slot.sem:
                 ch.release(slot)
                 continue
-            return ep, shard, slot
+            return ep, slot
         return None
 
     def _direct_slot(self, topo: Topology, part: ShardPart):

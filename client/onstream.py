@@ -6,18 +6,21 @@ is a host store, and the host waits for the answer. On a decode loop that keeps 
 frontend's CPU from running ahead of its GPU, and each call pays that round trip.
 
 Here the whole call is work on the caller's current stream, and `forward` returns
-as soon as it is queued, like any torch op:
+as soon as it is queued, like any torch op. No routing on the host: every shard of
+the layer (they own each expert once) gets every token and all of its routes, and
+computes the routes to its own experts. Per shard's slot:
 
-    copy x's rows into the slot's device x region            (device to device)
+    copy x into the slot's device x region                   (device to device)
     copy ids (as int32) and weights (as fp32) into the slot's routes regions
                                                               (device to host, DMA into the
                                                               page-locked control slot)
     write req_seq = seq                                       (cuStreamWriteValue32 on the
                                                               control block, mapped for the GPU)
-    sem_post(the slot's semaphore)                            (a host function: wakes a
+then per slot sem_post(its semaphore)                         (a host function: wakes a
                                                               sleeping shard waiter)
-    wait until done_seq == seq                                (cuStreamWaitValue32)
-    copy the answer's rows out of the slot's device out region
+then per slot wait until done_seq == seq                      (cuStreamWaitValue32)
+then the answer: one shard's rows copied out, or several summed in shard order in
+float32 (the host sum's order), then bf16.
 
 The shard sees the doorbell as any other (its waiter spins or sleeps on the
 semaphore), checks the call, runs it and answers as always; the call's flag
@@ -38,9 +41,9 @@ itself, so the caller's stream is not left waiting forever, and drops the lease
 (the next calls lease new slots, or use gRPC). The answer rows of a failed call are
 whatever the slot held: read them only after `synchronize` has returned.
 
-Where this path does not apply (a call whose routes reach more than one shard,
-a shard without cuda-ipc slots or too old for the semaphore, tracing on, a CPU
-caller), `forward` runs the call the usual way.
+Where this path does not apply (shards that overlap in experts, a shard without
+cuda-ipc slots or too old for the semaphore, tracing on, a CPU caller), `forward`
+runs the call the usual way.
 """
 
 from __future__ import annotations
@@ -71,24 +74,60 @@ def _sem_post() -> int:
     return _SEM_POST
 
 
-def enqueue(slot: CudaIpcSlot, layer: int, x, ids, w, timeout: float) -> torch.Tensor | None:
-    """Queue one call on the caller's current stream of x's device -> bf16 [M, H] (the
-    answer, complete once the stream gets there), or None with nothing queued when
-    this slot cannot take calls from a stream (its memory cannot be mapped for the
-    GPU: the slot is not offered for it again). x: bf16 [M, H] on the slot's GPU;
-    ids, w: [M, k] on the GPU (any integer / float dtype). ValueError, with nothing
-    queued, for a call that does not fit the slot."""
-    m, k = ids.shape
-    lay = slot.layout
-    if m > lay.max_tokens or (m and k > lay.top_k):
-        raise ValueError(f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}")
-    try:
-        req_dev, done_dev = slot.stream_words()
-    except cudamem.CudaIpcError as e:
-        log.warning("on-stream calls unavailable on a cuda-ipc slot: %s", e)
-        slot.sem = 0  # stream_slot skips it from now on
-        return None
+def usable(slots: list[CudaIpcSlot], m: int, k: int) -> bool:
+    """Whether every slot can take an (m, k) call from a stream: False, with nothing
+    queued, when one cannot be mapped for the GPU (it is not offered for that again).
+    ValueError, with nothing queued, for a call that does not fit a slot."""
+    for slot in slots:
+        lay = slot.layout
+        if m > lay.max_tokens or (m and k > lay.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
+            )
+    for slot in slots:
+        try:
+            slot.stream_words()
+        except cudamem.CudaIpcError as e:
+            log.warning("on-stream calls unavailable on a cuda-ipc slot: %s", e)
+            slot.sem = 0  # stream_slots skips it from now on
+            return False
+    return True
+
+
+def enqueue(slots: list[CudaIpcSlot], layer: int, x, ids, w, timeout: float) -> torch.Tensor:
+    """Queue one call to each slot (one per shard, `usable` checked) on the caller's
+    current stream of x's device, then the sum of their answers -> bf16 [M, H], complete
+    once the stream gets there. x: bf16 [M, H] on the slots' GPU; ids, w: [M, k] on the
+    GPU (any integer / float dtype). Every shard gets every token and all of its routes
+    and computes the routes to its own experts (the others are no work for it); the
+    answers are summed in shard order in float32, as the split path's sum does."""
     stream = torch.cuda.current_stream(x.device)
+    for slot in slots:  # every shard's rows and doorbell first: they compute side by side
+        _ring(slot, stream, layer, x, ids, w, timeout)
+    if slots[0].sem:  # then the wake-ups of waiters asleep (a spinning one saw its word)
+        for slot in slots:
+            cudamem.host_call(stream, _sem_post(), slot.sem)
+    for slot in slots:
+        cudamem.wait_value(stream, slot.stream_words()[1], slot.seq, cudamem.WAIT_EQ)
+    m, h = x.shape[0], slots[0].layout.hidden
+    if len(slots) == 1 or not m:
+        out = torch.empty((m, h), dtype=torch.bfloat16, device=x.device)
+        if m:
+            out.copy_(slots[0].out_dev[:m], non_blocking=True)
+    else:
+        acc = slots[0].out_dev[:m].float()
+        for slot in slots[1:]:
+            acc.add_(slot.out_dev[:m])
+        out = acc.to(torch.bfloat16)
+    for slot in slots:
+        slot.done.record(stream)
+    return out
+
+
+def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> None:
+    """One slot's part of a call: the rows, the header, the doorbell."""
+    m, k = ids.shape
+    req_dev = slot.stream_words()[0]
     ctl = slot.ctl
     seq = (ctl.req_seq + 1) & 0xFFFFFFFF  # the slot is idle: req_seq is the last call's
     ctl.layer = layer
@@ -109,14 +148,6 @@ def enqueue(slot: CudaIpcSlot, layer: int, x, ids, w, timeout: float) -> torch.T
         slot.ids_host[: m * k].view(m, k).copy_(ids, non_blocking=True)
         slot.w_host[: m * k].view(m, k).copy_(w, non_blocking=True)
     cudamem.write_value(stream, req_dev, seq)
-    if slot.sem:
-        cudamem.host_call(stream, _sem_post(), slot.sem)
-    cudamem.wait_value(stream, done_dev, seq, cudamem.WAIT_EQ)
-    out = torch.empty((m, lay.hidden), dtype=torch.bfloat16, device=x.device)
-    if m:
-        out.copy_(slot.out_dev[:m], non_blocking=True)
-    slot.done.record(stream)
-    return out
 
 
 class _Call:

@@ -52,8 +52,14 @@ class ExpertClient:
         self._tracker = onstream.Tracker() if on_stream else None
         self._loop = shared_loop("expertd-client")
         self._closed = False
+        if on_stream and torch.cuda.is_available():
+            # the caller works on a GPU: its CUDA context first, so that the slots leased
+            # (from every shard on this host) are cuda-ipc ones
+            torch.cuda.init()
         # (on failure connect closes what it opened)
         self._client: AsyncExpertClient = self._run(AsyncExpertClient.connect(addresses, **options))
+        if on_stream and torch.cuda.is_available():
+            self._run(self._client.open_dataplanes())
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -167,34 +173,36 @@ class ExpertClient:
             or topk_weights.device != hidden_states.device
         ):
             return None  # the usual path checks and words the error
-        picked = client.stream_slot(layer, hidden_states.device)
+        device = hidden_states.device
+        picked = client.stream_slots(layer, device)
         while picked is None and self._tracker.wait_one():  # every slot queued: the oldest
-            picked = client.stream_slot(layer, hidden_states.device)
+            picked = client.stream_slots(layer, device)
         if picked is None:
             return None
-        ep, shard, slot = picked
+        slots = [slot for _ep, _shard, slot in picked]
         timeout = client.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         x = hidden_states.detach()
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         try:
-            out = onstream.enqueue(
-                slot, layer, x, topk_ids.detach(), topk_weights.detach(), timeout
-            )
+            ok = onstream.usable(slots, m, topk_ids.shape[1])
         except ValueError:
-            slot.release()  # refused before anything was queued
-            raise
-        except BaseException:
-            # something may be queued already: the tracker sees it answered, or ends it
-            self._tracker.add(slot, deadline, ep, layer, list(shard.experts))
-            raise
-        if out is None:  # this slot cannot: the usual path
-            slot.release()
+            ok = None
+        if not ok:  # nothing queued: the usual path runs it (or words the error)
+            for ep, _shard, slot in picked:
+                ep.dataplane.release(slot)
             return None
-        self._tracker.add(slot, deadline, ep, layer, list(shard.experts))
-        ep.calls += 1
-        ep.stream_calls += 1
+        try:
+            out = onstream.enqueue(
+                slots, layer, x, topk_ids.detach(), topk_weights.detach(), timeout
+            )
+        finally:  # queued, or partly: the tracker sees each answered, or ends it
+            for ep, shard, slot in picked:
+                self._tracker.add(slot, deadline, ep, layer, list(shard.experts))
+        for ep, _shard, _slot in picked:
+            ep.calls += 1
+            ep.stream_calls += 1
         return out
 
     def synchronize(self, timeout: float | None = None) -> None:

@@ -184,6 +184,23 @@ def test_submit_and_threads_many_in_flight(addresses, full_layers):
         assert relative_error(out, reference_forward(full_layers[layer], x, ids, w)) <= 1e-2
 
 
+def test_on_stream_client_runs_a_cpu_callers_calls_the_usual_way(addresses):
+    """on_stream only changes calls of a CUDA caller: a CPU caller's answers are those
+    of a default client, synchronize has nothing to wait for, none went on a stream."""
+    gen = torch.Generator().manual_seed(5)
+    x = hidden(3, gen)
+    ids, w = routing(3, gen)
+    with (
+        ExpertClient(addresses, on_stream=True) as client,
+        ExpertClient(addresses) as plain,
+    ):
+        got = client.forward(0, x, ids, w)
+        client.synchronize()
+        assert torch.equal(got, plain.forward(0, x, ids, w))
+        assert all(s["stream_calls"] == 0 for s in client.stats().values())
+        plain.synchronize()  # no on_stream: nothing to do
+
+
 def test_clients_share_one_loop_and_close_alone(addresses, full_layers, caplog):
     """Every ExpertClient runs on the process's one client loop (shared_loop), which closing a
     client leaves running: the other client still answers, the closed one refuses with a clear

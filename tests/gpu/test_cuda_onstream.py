@@ -146,3 +146,42 @@ def test_a_killed_shard_releases_the_callers_stream_within_the_deadline():
             assert took < 3.5, f"a dead shard took {took:.1f} s to notice: {info.value}"
     finally:
         stop_shards(procs)
+
+
+def test_two_shards_each_get_every_token_and_the_sum_matches_grpc():
+    """Two shard processes of one expert set each: every shard is sent every token and
+    all of its routes and computes the routes to its own experts; the stream sums the
+    two answers. At M = 1 (each shard's tile is picked from the same M) the bits are
+    gRPC's split path's; at larger M a shard may pick another tile for all M tokens
+    than for its part, which rounds differently: the answers agree within bf16."""
+    procs = [
+        start_shard(
+            [
+                *("--synthetic", PRESET, "--layers", "1", "--seed", "7"),
+                *("--shard", str(s), "--num-shards", "2", "--device", "cuda"),
+            ]
+        )
+        for s in range(2)
+    ]
+    try:
+        wait_serving(procs, timeout=300)
+        addresses = [p.address for p in procs]
+        with (
+            ExpertClient(addresses, on_stream=True) as client,
+            ExpertClient(addresses, transport="grpc") as ref,
+        ):
+            _warm(client)
+            for m in (1, 1, 7, 64, 300):
+                x, ids, w = _inputs(m, seed=m)
+                got = client.forward(0, x, ids, w)
+                want = ref.forward(0, x, ids, w)
+                client.synchronize()
+                if m == 1:
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+                else:
+                    err = (got.float() - want.float()).norm() / want.float().norm()
+                    assert err < 1e-2, (m, float(err))
+            stats = client.stats()
+            assert all(s["stream_calls"] >= 5 for s in stats.values()), stats
+    finally:
+        stop_shards(procs)
