@@ -9,7 +9,8 @@ transformers cannot load a ModelOpt NVFP4 export back, and the frontend needs no
 experts: `load_unquantized_weights` reads every other tensor of the export into the model
 (the bf16 ones ModelOpt left unquantized) and refuses a missing one. `use_remote_experts`
 swaps each MoE block's `experts` module, which transformers 5 calls as
-`experts(hidden_states, top_k_index, top_k_weights)`, for `RemoteExperts(client, L)`; the
+`experts(hidden_states, top_k_index, top_k_weights)`, for `RemoteExperts(client, L)`
+(Llama-4's, called densely on router-scaled tokens, for `RemoteScaledExperts`); the
 router (with its `norm_topk_prob` and scaling), shared experts and dense layers stay local.
 
 Neither function imports transformers: they work on any torch module laid out the
@@ -56,9 +57,55 @@ def use_remote_experts(
         )
     remote = {}
     for layer, block in sorted(blocks.items()):
-        remote[layer] = RemoteExperts(client, layer, timeout=timeout)
+        if type(block.experts).__name__ == "Llama4TextExperts":
+            remote[layer] = RemoteScaledExperts(
+                client, layer, block.experts.num_experts, timeout=timeout
+            )
+        else:
+            remote[layer] = RemoteExperts(client, layer, timeout=timeout)
         block.experts = remote[layer]
     return remote
+
+
+class RemoteScaledExperts(torch.nn.Module):
+    """Llama-4's experts module, served remotely. Llama-4's MoE block scales each token by
+    its router score *before* the experts and calls them densely: `experts(routed_in)`
+    with routed_in [E * T, H], expert e's copy of every token, the tokens it was not
+    routed to zeroed (score 0), and sums the [E * T, H] result over the experts. With one
+    expert per token (Llama-4's top-1) that is the picked expert on the scaled token,
+    which expertd computes as the route (id, weight 1) on the scaled token; the result
+    goes back in the picked expert's rows, zeros elsewhere. More than one nonzero copy
+    of a token (top-k > 1, whose routes see differently scaled inputs) is refused."""
+
+    def __init__(self, client: ExpertClient, layer: int, num_experts: int, *, timeout=None) -> None:
+        super().__init__()
+        self.client = client
+        self.layer = layer
+        self.num_experts = num_experts
+        self.timeout = timeout
+
+    def forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+        h = routed_in.shape[-1]
+        copies = routed_in.reshape(self.num_experts, -1, h)  # [E, T, H]
+        nonzero = (copies != 0).any(dim=-1)  # [E, T]: the experts each token went to
+        if (nonzero.sum(dim=0) > 1).any():
+            raise ValueError(
+                f"layer {self.layer}: a token reaches several experts with differently "
+                "scaled inputs; expertd serves Llama-4's top-1 routing only"
+            )
+        ids = nonzero.to(torch.int8).argmax(dim=0)  # a token sent to none: expert 0, x = 0
+        tokens = torch.arange(copies.shape[1], device=routed_in.device)
+        x = copies[ids, tokens]
+        weights = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        out = self.client.forward(
+            self.layer, x, ids[:, None].to(torch.int32), weights, timeout=self.timeout
+        )
+        full = torch.zeros_like(copies)
+        full[ids, tokens] = out.to(routed_in.dtype)
+        return full.reshape(-1, h)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, experts={self.num_experts}, top-1, scaled inputs"
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

@@ -43,14 +43,17 @@ from expertd.kernels.layer import ShardLayer
 from expertd.kernels.nvfp4 import BLOCK, Nvfp4Weight
 from expertd.server.families import (
     CONFIG_FILE,
-    FUSED_LAYOUT,
+    FUSED_LAYOUTS,
+    FUSED_SUFFIXES,
     LAYOUTS,
     QUANT_CONFIG_FILE,
     ConfigError,
     ExpertConfig,
+    FusedLayout,
     Layout,
     expert_config,
     family_of,
+    layout_named,
     read_json,
 )
 from expertd.server.synthetic import (
@@ -257,39 +260,84 @@ class CheckpointReader:
         quant = read_json(self._dir / QUANT_CONFIG_FILE, CheckpointError)
         return config, quant
 
-    def _find_layout(self, others: list[str]) -> Layout:
-        """The family's expert layout, from the first routed-expert tensor's name."""
+    def _find_layout(self, others: list[str]) -> Layout | FusedLayout:
+        """The family's expert layout, from the routed-expert tensors' names."""
         head = re.escape(self.prefix) + r"layers\.\d+\.(\w+)\.experts\.\d+\.(\w+)\."
         names = {(m.group(1), m.group(2)) for n in self._entries if (m := re.match(head, n))}
+        fused_head = re.escape(self.prefix) + r"layers\.\d+\.(\w+)\.experts\.(\w+)$"
+        fused = {(m.group(1), m.group(2)) for n in self._entries if (m := re.match(fused_head, n))}
+        found: Layout | FusedLayout | None = None
         for layout in LAYOUTS.values():
             if any(block == layout.block and proj in layout.projections for block, proj in names):
-                family = family_of([self.expert_config.architecture or ""])
-                if family is not None and LAYOUTS[family.layout] != layout:
-                    raise CheckpointError(
-                        f"{self.path}: config.json architectures = "
-                        f"{self.expert_config.architecture!r} keeps its experts under "
-                        f"'{LAYOUTS[family.layout].block}', but the tensors are under "
-                        f"'{layout.block}'"
-                    )
-                return layout
-        fused = [n for n in [*self._entries, *others] if FUSED_LAYOUT.search(n)]
-        if fused:
-            raise CheckpointError(
-                f"{self.path}: {fused[0]} holds every expert of a layer in one fused tensor "
-                "(the Llama-4 layout); expertd loads per-expert tensors only (docs/models.md)"
-            )
+                found = layout
+                break
+        else:
+            for layout in FUSED_LAYOUTS.values():
+                if (layout.block, layout.gate_up) in fused:
+                    found = layout
+                    break
+        if found is not None:
+            family = family_of([self.expert_config.architecture or ""])
+            if family is not None and layout_named(family.layout) != found:
+                raise CheckpointError(
+                    f"{self.path}: config.json architectures = "
+                    f"{self.expert_config.architecture!r} keeps its experts under "
+                    f"'{layout_named(family.layout).block}', but the tensors are under "
+                    f"'{found.block}'"
+                )
+            return found
         # Name the prefix the experts are under, when they are under another one.
-        anywhere = re.compile(r"(.*?)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.")
+        anywhere = re.compile(
+            r"(.*?)layers\.\d+\.(?:(?:mlp|block_sparse_moe)\.experts\.\d+\."
+            r"|feed_forward\.experts\.gate_up_proj$)"
+        )
         hint = next((m.group(1) for n in others if (m := anywhere.match(n))), None)
-        found = f"; the experts are under the prefix {hint!r}" if hint is not None else ""
-        known = ", ".join(f"{lay.block}.experts.<e>.{lay.gate}" for lay in LAYOUTS.values())
+        found_at = f"; the experts are under the prefix {hint!r}" if hint is not None else ""
+        known = ", ".join(
+            [f"{lay.block}.experts.<e>.{lay.gate}" for lay in LAYOUTS.values()]
+            + [f"{lay.block}.experts.{lay.gate_up}" for lay in FUSED_LAYOUTS.values()]
+        )
         raise CheckpointError(
             f"{self.path}: no tensor named {self.prefix}layers.<L>.<block>.experts.<e>.* "
-            f"(known: {known}; is the prefix {self.prefix!r} right?{found})"
+            f"(known: {known}; is the prefix {self.prefix!r} right?{found_at})"
         )
+
+    @property
+    def fused(self) -> bool:
+        """Every expert of a layer in one tensor per projection (FusedLayout)."""
+        return isinstance(self.layout, FusedLayout)
+
+    def fused_name(self, layer: int, proj: str, suffix: str = "") -> str:
+        """The file's name of a fused layout's tensor (`proj`: gate_up or down)."""
+        return f"{self.prefix}layers.{layer}.{self.layout.block}.experts.{proj}{suffix}"
+
+    def _discover_fused(self) -> None:
+        """Layers from the fused tensors' names; H, I and E from their shapes."""
+        lay = self.layout
+        pattern = re.compile(
+            re.escape(self.prefix) + rf"layers\.(\d+)\.{lay.block}\.experts\.{lay.gate_up}$"
+        )
+        shapes = {}
+        for name, (_file, _dtype, shape) in self._entries.items():
+            if m := pattern.match(name):
+                if len(shape) != 3 or shape[2] % 2:
+                    raise CheckpointError(
+                        f"tensor {name}: shape {list(shape)}, expected [E, H/2, 2I]"
+                    )
+                shapes[int(m.group(1))] = (2 * shape[1], shape[2] // 2, shape[0])
+        self.layers = sorted(shapes)
+        self.post_norm = False
+        distinct = set(shapes.values())
+        if len(distinct) > 1:
+            detail = ", ".join(f"layer {L}: H={h} I={i} E={e}" for L, (h, i, e) in shapes.items())
+            raise CheckpointError(f"{self.path}: layers disagree on their shapes ({detail})")
+        self.hidden_size, self.intermediate_size, self.num_experts = distinct.pop()
 
     def _discover(self) -> None:
         """Find layers and expert ids from names; H, I, E from shapes; all layers must agree."""
+        if self.fused:
+            self._discover_fused()
+            return
         lay = self.layout
         pattern = re.compile(
             re.escape(self.prefix) + rf"layers\.(\d+)\.{lay.block}\.experts\.(\d+)\."
@@ -377,6 +425,14 @@ class CheckpointReader:
         h, i = self.hidden_size, self.intermediate_size
         if name.endswith(".post_expert_norm.weight"):
             return torch.bfloat16, ((h,),)
+        if self.fused:  # [E, in/2, out] codes, [E, in/16, out] scales, one global scale
+            e = self.num_experts
+            n, k = (h, i) if f".experts.{self.layout.down}" in name else (2 * i, h)
+            if name.endswith("_weight_scale_2"):
+                return torch.float32, ((), (1,))
+            if name.endswith("_weight_scale"):
+                return torch.float8_e4m3fn, ((e, k // BLOCK, n),)
+            return torch.uint8, ((e, k // 2, n),)
         n, k = (h, i) if f".{self.layout.down}." in name else (i, h)
         if name.endswith(".weight_scale_2"):
             return torch.float32, ((), (1,))
@@ -399,6 +455,13 @@ class CheckpointReader:
             )
 
     def _layer_names(self, layer: int, experts: list[int]) -> list[str]:
+        if self.fused:  # every expert's tensors are slices of these
+            lay = self.layout
+            return [
+                self.fused_name(layer, proj, suffix)
+                for proj in (lay.gate_up, lay.down)
+                for suffix in FUSED_SUFFIXES
+            ]
         names = [
             self.name(layer, e, proj, part)
             for e in experts
@@ -461,8 +524,38 @@ class CheckpointReader:
             numel = 1
             for d in shape:
                 numel *= d
+            if self.fused and len(shape) == 3:  # only the owned experts' slices are read
+                numel = numel // shape[0] * len(experts)
             total += numel * self.expected(name)[0].itemsize
         return total
+
+    def _load_fused(self, layer: int, experts: list[int], read_slice, device) -> dict:
+        """gate, up and down of `experts`, each expert's slice of the fused tensors
+        transposed into the per-expert layout ([out, in/2] codes, [out, in/16] scales)."""
+        h, i, el = self.hidden_size, self.intermediate_size, len(experts)
+        lay = self.layout
+        stacks = {}
+        for ours, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            stacks[ours] = Nvfp4Weight(
+                torch.empty((el, n, k // 2), dtype=torch.uint8, device=device),
+                torch.empty((el, n, k // BLOCK), dtype=torch.float8_e4m3fn, device=device),
+                torch.empty((el,), dtype=torch.float32, device=device),
+            )
+        for proj, parts in ((lay.gate_up, ("gate_proj", "up_proj")), (lay.down, ("down_proj",))):
+            codes_name, scale_name, global_name = (
+                self.fused_name(layer, proj, suffix) for suffix in FUSED_SUFFIXES
+            )
+            with safe_open(self._entries[global_name][0], framework="pt") as f:
+                global_scale = f.get_tensor(global_name).reshape(())
+            for slot, e in enumerate(experts):
+                codes, scales = read_slice(codes_name, e), read_slice(scale_name, e)
+                width = codes.shape[1] // len(parts)  # gate's columns first, then up's
+                for j, ours in enumerate(parts):
+                    cols = slice(j * width, (j + 1) * width)
+                    stacks[ours].weight[slot].copy_(codes[:, cols].T)
+                    stacks[ours].weight_scale[slot].copy_(scales[:, cols].T)
+                    stacks[ours].weight_scale_2[slot] = global_scale
+        return stacks
 
     def load_layer(
         self, layer: int, experts: list[int], device: torch.device | str = "cpu"
@@ -473,7 +566,7 @@ class CheckpointReader:
         names = self._layer_names(layer, experts)
         files = {name: self._validate(name, layer)[0] for name in names}  # check all, then read
         h, i, el = self.hidden_size, self.intermediate_size, len(experts)
-        stacks = {}
+        stacks: dict[str, Nvfp4Weight] = {}
         with ExitStack() as opened:
             handles: dict[Path, object] = {}
 
@@ -483,7 +576,16 @@ class CheckpointReader:
                     handles[file] = opened.enter_context(safe_open(file, framework="pt"))
                 return handles[file].get_tensor(name)
 
-            for ours, proj in zip(PROJECTIONS, self.layout.projections, strict=True):
+            def read_slice(name: str, e: int) -> torch.Tensor:  # expert e of a fused tensor
+                file = files[name]
+                if file not in handles:
+                    handles[file] = opened.enter_context(safe_open(file, framework="pt"))
+                return handles[file].get_slice(name)[e : e + 1][0]
+
+            if self.fused:
+                stacks = self._load_fused(layer, experts, read_slice, device)
+            per_expert = () if self.fused else self.layout.projections
+            for ours, proj in zip(PROJECTIONS[: len(per_expert)], per_expert, strict=True):
                 n, k = (h, i) if ours == "down_proj" else (i, h)
                 out = (
                     torch.empty((el, n, k // 2), dtype=torch.uint8, device=device),

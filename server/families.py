@@ -15,7 +15,6 @@ before it sends `topk_weights` (docs/protocol.md, section 2); a shard only repor
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +73,33 @@ LAYOUTS = {
     "block_sparse_moe": Layout("block_sparse_moe", "block_sparse_moe", "w1", "w3", "w2"),
 }
 
-# A fused layout expertd recognises but does not load yet (one tensor per layer for every
-# expert's gate and up, packed along the input dimension).
-FUSED_LAYOUT = re.compile(r"layers\.\d+\.feed_forward\.experts\.gate_up_proj")
+
+@dataclass(frozen=True, slots=True)
+class FusedLayout:
+    """Every expert of a layer in one tensor per projection (Llama-4, as ModelOpt exports it):
+
+        {prefix}layers.{L}.{block}.experts.{gate_up}{suffix}   uint8 [E, H/2, 2I], gate's I first
+        {prefix}layers.{L}.{block}.experts.{down}{suffix}      uint8 [E, I/2, H]
+
+    packed along the input dimension (a byte holds inputs 2j, low nibble, and 2j + 1), so
+    one expert's [in/2, out] slice, transposed, is the per-expert [out, in/2] layout byte
+    for byte. Suffixes (FUSED_SUFFIXES): the codes, `_weight_scale` (fp8 [E, in/16, out])
+    and `_weight_scale_2` (one fp32 per layer and tensor, shared by its experts)."""
+
+    name: str
+    block: str
+    gate_up: str
+    down: str
+
+
+FUSED_LAYOUTS = {
+    "feed_forward": FusedLayout("feed_forward", "feed_forward", "gate_up_proj", "down_proj"),
+}
+FUSED_SUFFIXES = ("", "_weight_scale", "_weight_scale_2")
+
+
+def layout_named(name: str) -> Layout | FusedLayout:
+    return LAYOUTS[name] if name in LAYOUTS else FUSED_LAYOUTS[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +118,8 @@ FAMILIES = (
     Family("deepseek-v3", ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"), "mlp",
            ("deepseek-v3",)),
     Family("mixtral", ("MixtralForCausalLM",), "block_sparse_moe", ()),
+    Family("llama-4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "feed_forward",
+           ()),
     Family("muse-spark", (), "mlp", ("muse-spark", "small")),
 )  # fmt: skip
 

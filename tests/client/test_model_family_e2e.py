@@ -1,8 +1,9 @@
-"""End to end with a real model family: a transformers Qwen3-MoE whose experts are a ModelOpt
+"""End to end with real model families: a transformers Qwen3-MoE whose experts are a ModelOpt
 NVFP4 export (tests/fixtures/qwen3-moe-tiny, made by scripts/make_qwen3_moe_fixture.py),
 served in two shards by real servers, generates the same tokens greedily as the same model
 running the dequantized experts locally (up to a near tie of the logits, where rounding
-may decide: tests/family.py, shared with the GPU test).
+may decide: tests/family.py, shared with the GPU test); the same for a Llama-4 whose
+experts are ModelOpt's fused export (tests/fixtures/llama4-tiny).
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ from family import (
 from safetensors.torch import load_file, save_file
 
 from expertd.client import ExpertClient, RemoteExperts
-from expertd.client.hf import load_unquantized_weights, moe_blocks, use_remote_experts
+from expertd.client.hf import (
+    RemoteScaledExperts,
+    load_unquantized_weights,
+    moe_blocks,
+    use_remote_experts,
+)
 from expertd.server.app import BackgroundServer
 from expertd.server.checkpoint import CheckpointReader
 from expertd.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+LLAMA4 = ROOT / "tests" / "fixtures" / "llama4-tiny"
 EXAMPLE = ROOT / "examples" / "remote_experts_hf.py"
 
 
@@ -124,3 +131,75 @@ def test_example_runs_as_documented():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "MoE layers [0, 1]" in done.stdout and "generated 12 tokens" in done.stdout
+
+
+def build_llama4() -> torch.nn.Module:
+    """The Llama-4 fixture's model, float32, its unquantized tensors loaded."""
+    import transformers
+
+    config = json.loads((LLAMA4 / "config.json").read_text())
+    config.pop("quantization_config")
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**config))
+    model = model.float().eval()
+    load_unquantized_weights(model, LLAMA4)
+    return model
+
+
+class Float32ScaledExperts(torch.nn.Module):
+    """transformers' Llama4TextExperts in float32 on bf16 activations, as a shard computes."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = experts.float()
+
+    def forward(self, routed_in):
+        out = self.inner(routed_in.to(torch.bfloat16).float())
+        return out.to(torch.bfloat16).to(routed_in.dtype)
+
+
+def test_llama4_fused_experts_served_generate_the_tokens_of_local_ones():
+    """Llama-4 scales a token by its router score before its one expert: the frontend
+    module sends the scaled token with weight 1, two shards serve the fused export, and
+    greedy generation gives the tokens of transformers' own experts module holding the
+    export's experts decoded."""
+    reader = CheckpointReader(LLAMA4)
+    local = build_llama4()
+    for layer, block in moe_blocks(local).items():
+        shard = reader.load_layer(layer, list(range(reader.num_experts)))
+        experts = block.experts
+        with torch.no_grad():  # transformers keeps them [E, in, out]
+            experts.gate_up_proj.copy_(
+                torch.cat((shard.gate.dequantize(), shard.up.dequantize()), dim=1).transpose(1, 2)
+            )
+            experts.down_proj.copy_(shard.down.dequantize().transpose(1, 2))
+        block.experts = Float32ScaledExperts(experts)
+    gen = torch.Generator().manual_seed(4)
+    prompts = torch.randint(1, 256, (3, 7), generator=gen)
+    want_tokens, want_logits = generate(local, prompts)
+
+    servers = [
+        BackgroundServer(ServerConfig(checkpoint=str(LLAMA4), shard=s, num_shards=2, device="cpu"))
+        for s in range(2)
+    ]
+    try:
+        remote = build_llama4()
+        with ExpertClient([s.address for s in servers], timeout=30) as client:
+            swapped = use_remote_experts(remote, client)
+            assert sorted(swapped) == [0]
+            assert isinstance(moe_blocks(remote)[0].experts, RemoteScaledExperts)
+            got_tokens, got_logits = generate(remote, prompts)
+            calls = {address: s["calls"] for address, s in client.stats().items()}
+    finally:
+        for server in servers:
+            server.stop()
+    assert all(n > 0 for n in calls.values()), calls
+    assert_same_tokens(want_tokens, want_logits, got_tokens, got_logits)
+
+    silent = build_llama4()
+    for block in moe_blocks(silent).values():
+        block.experts = Float32ScaledExperts(block.experts)
+        with torch.no_grad():
+            block.experts.inner.gate_up_proj.zero_()
+    silent_tokens, _ = generate(silent, prompts)
+    assert (silent_tokens != want_tokens).float().mean() > 0.3

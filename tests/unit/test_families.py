@@ -204,13 +204,21 @@ def test_family_layout_must_match_its_architecture(tmp_path):
         CheckpointReader(save(tmp_path, tiny_tensors("block_sparse_moe"), config))
 
 
-def test_fused_llama4_layout_refused_naming_the_tensor(tmp_path):
+def test_fused_layout_with_a_wrong_shape_is_refused_naming_the_tensor(tmp_path):
+    tensors = {
+        "model.layers.0.feed_forward.experts.gate_up_proj": torch.zeros(128, 256, dtype=torch.uint8)
+    }
+    with pytest.raises(CheckpointError, match=r"feed_forward\.experts\.gate_up_proj: shape \[128, 256\], expected \[E, H/2, 2I\]"):  # fmt: skip
+        CheckpointReader(save(tmp_path, tensors))
+
+
+def test_fused_layout_under_another_prefix_names_it(tmp_path):
     tensors = {
         "language_model.model.layers.0.feed_forward.experts.gate_up_proj": torch.zeros(
             8, 128, 256, dtype=torch.uint8
         )
     }
-    with pytest.raises(CheckpointError, match=r"feed_forward\.experts\.gate_up_proj .*fused"):
+    with pytest.raises(CheckpointError, match=r"under the prefix 'language_model\.model\.'"):
         CheckpointReader(save(tmp_path, tensors))
 
 
@@ -295,3 +303,32 @@ def test_modelopt_export_decodes_to_the_models_bf16_weights():
     # E2M1 -0 (sign bit, zero magnitude) occurs in the export and decodes to zero.
     codes = reader.load_layer(0, [0]).gate.weight
     assert ((codes & 0x0F) == 0x08).any() or ((codes >> 4) == 0x08).any()
+
+
+def test_llama4_fused_export_decodes_to_the_models_bf16_weights():
+    """Llama-4's fused layout as ModelOpt exports it (scripts/make_llama4_fixture.py): every
+    expert of a layer in one gate_up and one down tensor, packed along the input dimension.
+    Each expert read by expertd is the model's bf16 weights within NVFP4's rounding on the
+    kept input rows (a transposed slice, a swapped gate and up or a wrong nibble gives
+    ~1.4), in any subset and order of experts; only the owned experts' bytes are read."""
+    reader = CheckpointReader(FIXTURES / "llama4-tiny")
+    assert reader.expert_config.family == "llama-4" and reader.top_k == 1
+    assert (reader.hidden_size, reader.intermediate_size, reader.num_experts) == (256, 256, 4)
+    rows = load_file(FIXTURES / "llama4-tiny-bf16-rows.safetensors")
+    gate_up = rows["model.layers.0.feed_forward.experts.gate_up_proj"].float()  # [E, 16, 2I]
+    down = rows["model.layers.0.feed_forward.experts.down_proj"].float()  # [E, 16, H]
+    n = gate_up.shape[1]
+    layer = reader.load_layer(0, [3, 0, 2])
+    assert layer.experts == (3, 0, 2)
+    for slot, e in enumerate(layer.experts):
+        for got, want in (
+            (layer.gate.dequantize()[slot][:, :n], gate_up[e, :, :256].T),
+            (layer.up.dequantize()[slot][:, :n], gate_up[e, :, 256:].T),
+            (layer.down.dequantize()[slot][:, :n], down[e].T),
+        ):
+            err = relative_error(got, want)
+            assert 0.02 < err < 0.15, f"expert {e}: {err:.3f}"
+    one = reader.load_layer(0, [2])
+    assert torch.equal(one.down.weight[0], layer.down.weight[2])
+    # half the experts, half the bytes, but for the two global scales (4 bytes each)
+    assert reader.nbytes_for(0, [1, 2]) * 2 - 8 == reader.nbytes_for(0, [0, 1, 2, 3])
