@@ -257,7 +257,7 @@ class Tracker:
             until = min(call.deadline, now + EOF_CHECK_S)
             if dp.wait_word(ctl, "resp_seq", slot.resp_addr, old, until, 0.0):
                 old = ctl.resp_seq
-        slot.done.synchronize()  # the caller's stream has copied the answer out
+        _stream_done(slot)  # the caller's stream has copied the answer out
         try:
             slot.checked_rows()
         except Exception as e:  # the shard's status, or a row count that is not the call's
@@ -275,7 +275,7 @@ class Tracker:
         slot = call.slot
         if slot.ctl is not None:
             slot.ctl.done_seq = slot.seq
-            slot.done.synchronize()
+            _stream_done(slot)
         self._record(call, code, details)
         slot.lease._ended(f"an on-stream call failed: {details}")  # the loop closes it
         slot.release()  # unmapped: its lease has ended
@@ -285,3 +285,11 @@ class Tracker:
         log.warning("on-stream call failed: %s", err)
         with self._cond:
             self._errors.append(err)
+
+
+def _stream_done(slot) -> None:
+    """Wait for the event after the call's copy out (a slot rung by its host, with no
+    stream behind the call, has none)."""
+    done = getattr(slot, "done", None)
+    if done is not None:
+        done.synchronize()
