@@ -23,7 +23,15 @@ DEFAULT_PORT = 50051
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"  # serve's default, and where health looks
 # The synthetic presets of server/synthetic.py, named here so that help imports no torch
 # (tests/unit/test_cli_parse.py checks the two lists agree).
-PRESETS = ("small", "muse-spark", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b")
+PRESETS = (
+    "small",
+    "muse-spark",
+    "deepseek-v3",
+    "qwen3-235b-a22b",
+    "qwen3-30b-a3b",
+    "llama4-scout",
+    "llama4-maverick",
+)
 _UNSET = object()  # "not on the command line": the environment or the default decides
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

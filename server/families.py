@@ -119,7 +119,7 @@ FAMILIES = (
            ("deepseek-v3",)),
     Family("mixtral", ("MixtralForCausalLM",), "block_sparse_moe", ()),
     Family("llama-4", ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), "feed_forward",
-           ()),
+           ("llama4-scout", "llama4-maverick")),
     Family("muse-spark", (), "mlp", ("muse-spark", "small")),
 )  # fmt: skip
 

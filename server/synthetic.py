@@ -35,6 +35,9 @@ PRESETS = {
     "deepseek-v3": Preset("deepseek-v3", 7168, 2048, 256, 8),  # also DeepSeek-R1
     "qwen3-235b-a22b": Preset("qwen3-235b-a22b", 4096, 1536, 128, 8),
     "qwen3-30b-a3b": Preset("qwen3-30b-a3b", 2048, 768, 128, 8),
+    # Llama-4: one expert per token, its input scaled by the router (docs/models.md)
+    "llama4-scout": Preset("llama4-scout", 5120, 8192, 16, 1),
+    "llama4-maverick": Preset("llama4-maverick", 5120, 8192, 128, 1),
 }
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -36,6 +36,8 @@ LOCAL = {
     "deepseek-v3": [0, 1, 2, 3],
     "qwen3-235b-a22b": [5, 64, 100, 127],
     "qwen3-30b-a3b": list(range(16, 32)),
+    "llama4-scout": [0, 7, 15],  # top-1
+    "llama4-maverick": [3, 64, 127],
 }
 
 

@@ -82,6 +82,8 @@ def test_presets_name_the_released_shapes():
     assert shapes["qwen3-235b-a22b"] == (4096, 1536, 128, 8, False)
     assert shapes["qwen3-30b-a3b"] == (2048, 768, 128, 8, False)
     assert shapes["muse-spark"] == (4096, 4096, 256, 8, True)
+    assert shapes["llama4-scout"] == (5120, 8192, 16, 1, False)
+    assert shapes["llama4-maverick"] == (5120, 8192, 128, 1, False)
     for p in PRESETS.values():  # every preset is legal for the CUDA kernel
         assert p.hidden_size % 256 == 0 and p.intermediate_size % 256 == 0, p.name
     q = expert_config(QWEN3_30B)
