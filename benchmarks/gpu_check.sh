@@ -10,7 +10,7 @@
 #   BENCH_MS      transport benchmark token counts (default 1,64,256,1024,4096; "" skips it)
 #   BENCH_SHARDS  shard processes per run (default 1,8)
 #   BENCH_REPS    calls per point (default 100)
-#   BENCH_TRANSPORTS  (default grpc,tcp,shm,cuda-ipc)
+#   BENCH_TRANSPORTS  (default grpc,tcp,shm,cuda-ipc,cuda-ipc-stream)
 #   BENCH_MPS     1: the benchmark runs under an MPS daemon of its own (transport.py --mps)
 #   EXPERTD_KERNEL_LIB  a prebuilt libexpertd_kernels.so (skips the build)
 # Wheels the machine lacks (grpcio-health-checking, grpcio-reflection) may travel in
@@ -44,7 +44,7 @@ if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
   echo "== transport benchmark"
   $PY benchmarks/transport.py --out "$OUT" --device cuda \
     --ms "${BENCH_MS-1,64,256,1024,4096}" --shards "${BENCH_SHARDS:-1,8}" \
-    --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,tcp,shm,cuda-ipc}" \
+    --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,tcp,shm,cuda-ipc,cuda-ipc-stream}" \
     $([ "${BENCH_MPS:-0}" = 1 ] && echo --mps) \
     --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')" \
     2>&1 | tee "$OUT/transport.log" | grep -v "^I[0-9]\|^{" 
