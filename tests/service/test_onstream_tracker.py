@@ -86,7 +86,7 @@ def test_tracker_finishes_answered_refused_and_late_calls(bank):
             inner = runner.launch
 
             def slow_launch(*a, **k):
-                time.sleep(1.0)
+                time.sleep(2.0)
                 return inner(*a, **k)
 
             runner.launch = slow_launch
@@ -99,7 +99,7 @@ def test_tracker_finishes_answered_refused_and_late_calls(bank):
             took = time.monotonic() - t0
             runner.launch = inner
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert 0.2 <= took < 0.8, took
+            assert 0.2 <= took < 1.5, took  # the shard answers after 2 s
             assert slot.lease.closed and not plane.usable()
         finally:
             tracker.close()
