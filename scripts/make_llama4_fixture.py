@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
-import modelopt.torch.quantization as mtq
 import torch
-from modelopt.torch.export import export_hf_checkpoint
+from modelopt_export import quantize_and_export
 from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 SEED = 0
@@ -100,14 +98,6 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     model = build_model()
-    gen = torch.Generator().manual_seed(SEED + 1)
-    calib = [torch.randint(0, CONFIG["vocab_size"], (4, 32), generator=gen) for _ in range(4)]
-
-    def forward_loop(m):
-        with torch.no_grad():
-            for ids in calib:
-                m(input_ids=ids)
-
     experts = [
         {
             "gate_up_proj": layer.feed_forward.experts.gate_up_proj.detach().clone(),
@@ -115,13 +105,7 @@ def main() -> None:
         }
         for layer in model.model.layers
     ]
-    model = mtq.quantize(model, mtq.NVFP4_EXPERTS_ONLY_CFG, forward_loop)
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    export_hf_checkpoint(model, export_dir=str(args.out))
-    (args.out / "generation_config.json").unlink(missing_ok=True)
-    for path in args.out.iterdir():
-        path.chmod(0o644)
+    quantize_and_export(model, CONFIG["vocab_size"], SEED + 1, args.out)
     check_export(args.out / "model.safetensors", experts)
     from safetensors.torch import save_file
 
