@@ -122,15 +122,16 @@ def test_serve_refuses_an_unsupported_setting_naming_it(tmp_path):
     assert "hidden_act = 'gelu' is not supported" in done.stderr, done.stderr[-2000:]
 
 
-def test_example_runs_as_documented():
+@pytest.mark.parametrize(("checkpoint", "layers"), [(FIXTURE, "[0, 1]"), (LLAMA4, "[0]")])
+def test_example_runs_as_documented(checkpoint, layers):
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--checkpoint", str(FIXTURE), "--new-tokens", "6"],
+        [sys.executable, str(EXAMPLE), "--checkpoint", str(checkpoint), "--new-tokens", "6"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "MoE layers [0, 1]" in done.stdout and "generated 12 tokens" in done.stdout
+    assert f"MoE layers {layers}" in done.stdout and "generated 12 tokens" in done.stdout
 
 
 def build_llama4() -> torch.nn.Module:
