@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 
 import numpy as np
 import torch
@@ -163,15 +162,15 @@ class CudaIpcSlot(Slot):
         share it)."""
         if not gathered:
             self.stream.synchronize()
-        if not self.sem:
-            super().ring()
-            return
-        ctl = self.ctl
-        self.seq = (ctl.req_seq + 1) & 0xFFFFFFFF
-        ctl.seen_ns = 0
-        self.ring_ns = time.monotonic_ns()
-        ctl.req_seq = self.seq  # after the data, as Slot.ring
-        dp.sem_post(self.sem)
+        super().ring()
+
+    def wake(self) -> None:
+        """The slot's semaphore when the shard has one (its waiter sleeps on it), else
+        FUTEX_WAKE."""
+        if self.sem:
+            dp.sem_post(self.sem)
+        else:
+            super().wake()
 
     def result(self) -> torch.Tensor:
         """The answer: bf16 [rows, H] viewing the out region on the shard's GPU (read it

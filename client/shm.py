@@ -172,6 +172,10 @@ class Slot:
         ctl.seen_ns = 0  # the shard's, for this call (an older shard leaves it 0)
         self.ring_ns = time.monotonic_ns()
         ctl.req_seq = self.seq  # after the data: the shard reads it only once it sees this
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the shard's waiter, should it sleep (FUTEX_WAKE on req_seq)."""
         dp.futex_wake(self.req_addr)
 
     def answered(self) -> bool:

@@ -529,7 +529,7 @@ class CheckpointReader:
             total += numel * self.expected(name)[0].itemsize
         return total
 
-    def _load_fused(self, layer: int, experts: list[int], read_slice, device) -> dict:
+    def _load_fused(self, layer: int, experts: list[int], read, read_slice, device) -> dict:
         """gate, up and down of `experts`, each expert's slice of the fused tensors
         transposed into the per-expert layout ([out, in/2] codes, [out, in/16] scales)."""
         h, i, el = self.hidden_size, self.intermediate_size, len(experts)
@@ -545,8 +545,7 @@ class CheckpointReader:
             codes_name, scale_name, global_name = (
                 self.fused_name(layer, proj, suffix) for suffix in FUSED_SUFFIXES
             )
-            with safe_open(self._entries[global_name][0], framework="pt") as f:
-                global_scale = f.get_tensor(global_name).reshape(())
+            global_scale = read(global_name).reshape(())
             for slot, e in enumerate(experts):
                 codes, scales = read_slice(codes_name, e), read_slice(scale_name, e)
                 width = codes.shape[1] // len(parts)  # gate's columns first, then up's
@@ -583,7 +582,7 @@ class CheckpointReader:
                 return handles[file].get_slice(name)[e : e + 1][0]
 
             if self.fused:
-                stacks = self._load_fused(layer, experts, read_slice, device)
+                stacks = self._load_fused(layer, experts, read, read_slice, device)
             per_expert = () if self.fused else self.layout.projections
             for ours, proj in zip(PROJECTIONS[: len(per_expert)], per_expert, strict=True):
                 n, k = (h, i) if ours == "down_proj" else (i, h)
