@@ -16,10 +16,6 @@ computes the routes to its own experts. Per shard's slot:
                                                               page-locked control slot)
     write req_seq = seq                                       (cuStreamWriteValue32 on the
                                                               control block, mapped for the GPU)
-    where the shard arms calls (FEATURE_ARMED, server/armed.py): store the slot's index,
-    then the call's number n, into the lease's ring (n % RING)  (two stream writes: the
-                                                              shard's GPU, waiting for n,
-                                                              runs the call at once)
 then per slot sem_post(its semaphore)                         (a host function: wakes a
                                                               sleeping shard waiter)
 then per slot wait until done_seq == seq                      (cuStreamWaitValue32)
@@ -141,13 +137,6 @@ def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> N
     ctl.timeout_us = max(int(timeout * 1e6), 1)
     ctl.span_id = 0
     ctl.seen_ns = 0
-    ring = 0
-    if ctl.features & dp.FEATURE_ARMED:
-        lease = slot.lease
-        with lease.ring_lock:
-            ring = lease.ring_next
-            lease.ring_next = (ring + 1) & 0xFFFFFFFF or 1
-    ctl.ring_n = ring
     slot.seq = seq
     slot.rows = m
     slot.ring_ns = time.monotonic_ns()
@@ -159,11 +148,6 @@ def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> N
         slot.ids_host[: m * k].view(m, k).copy_(ids, non_blocking=True)
         slot.w_host[: m * k].view(m, k).copy_(w, non_blocking=True)
     cudamem.write_value(stream, req_dev, seq)
-    if ring:
-        first = slot.lease.slots[0].stream_words()[0] - dp.Control.req_seq.offset
-        e = 4 * (ring % dp.RING)
-        cudamem.write_value(stream, first + dp.RING_SLOT_OFFSET + e, slot.index)
-        cudamem.write_value(stream, first + dp.RING_SEQ_OFFSET + e, ring)
 
 
 class _Call:

@@ -265,10 +265,6 @@ class Lease:
         self.why = ""
         self.waiters: dict[int, tuple[int, asyncio.Future]] = {}  # slot -> (seq, future)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # On-stream calls to a shard that arms them (dp.FEATURE_ARMED): the next number
-        # on the lease's ring (client/onstream.py)
-        self.ring_next = 1
-        self.ring_lock = threading.Lock()
 
     def check_closed(self) -> bool:
         """Has the shard's end gone (EOF or an error on the socket)?"""

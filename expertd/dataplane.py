@@ -99,12 +99,6 @@ class Control(ctypes.Structure):
         # the host stores it too with every answer, error or not). A call queued on the
         # client's stream (FLAG_STREAM) waits for this word, not for resp_seq.
         ("done_seq", ctypes.c_uint32),
-        # Armed calls (FEATURE_ARMED, server/armed.py): the lease ring entry of this call
-        # (written by the client with the call; 0: none), and what the shard's GPU wrote
-        # when it ran the call itself: the call's seq, and 1 when a row held NaN/Inf.
-        ("ring_n", ctypes.c_uint32),
-        ("taken_seq", ctypes.c_uint32),
-        ("armed_bad", ctypes.c_uint32),
     )
 
 
@@ -115,21 +109,11 @@ class Control(ctypes.Structure):
 SEM_OFFSET = 192
 SEM_BYTES = 32
 FEATURE_SEM = 1  # the slot's semaphore is initialized: the client may wake with it
-# The shard's GPU runs this lease's on-stream calls as they are rung (server/armed.py):
-# the client numbers its calls on the lease's ring (1, 2, ...: ctl.ring_n) and, on its
-# stream after each call's doorbell, stores the call's slot index in RING_SLOT[n % RING]
-# then n in RING_SEQ[n % RING] of the control block of the lease's first slot.
-FEATURE_ARMED = 2
 WAKE_SEM = 1
 ERROR_OFFSET = 256  # error text: bytes [256, 256 + ERROR_BYTES) of the control block
-RING = 64  # entries of a lease's ring (more than a lease's calls in flight)
-RING_SEQ_OFFSET = 2048  # u32 [RING] in the first slot's control block
-RING_SLOT_OFFSET = RING_SEQ_OFFSET + 4 * RING  # u32 [RING]
-RING_CANCEL_OFFSET = RING_SLOT_OFFSET + 4 * RING  # u32: the shard's last cancelled entry
 assert ctypes.sizeof(Control) <= SEM_OFFSET
 assert SEM_OFFSET + SEM_BYTES <= ERROR_OFFSET
-assert ERROR_OFFSET + ERROR_BYTES <= RING_SEQ_OFFSET
-assert RING_CANCEL_OFFSET + 4 <= CONTROL_BYTES
+assert ERROR_OFFSET + ERROR_BYTES <= CONTROL_BYTES
 
 TIMING_FIELDS = (
     "queue_us",

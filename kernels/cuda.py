@@ -220,14 +220,6 @@ class CudaBackend:
                 _check(self._lib, self._lib.expertd_init(), "expertd_init")
                 _INITIALIZED.add(key)
 
-    def sibling(self) -> CudaBackend:
-        """A backend over the same library and device with a workspace of its own: its
-        forwards (and graphs captured with it) may run beside this one's."""
-        twin = object.__new__(CudaBackend)
-        twin.device, twin.max_tokens, twin._lib = self.device, self.max_tokens, self._lib
-        twin._workspace = None
-        return twin
-
     # -- Backend protocol ---------------------------------------------------------------------
 
     def prepare(self, layer: ShardLayer) -> CudaState:

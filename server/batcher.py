@@ -41,7 +41,7 @@ from expertd import tracing
 from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
 from expertd.server.runner import FUSED_ROWS, BatchRunner, Flight
-from expertd.server.validate import ForwardArgs, RequestError, not_finite
+from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
 SENT = b""  # a Job's result when its sink took the answer
@@ -373,7 +373,7 @@ class Batcher:
                         out_bits = dev.view(torch.int16).numpy().view(np.uint16)
                     else:
                         out_bits = result.out_bytes[row : row + rows]
-                    error, cause = not_finite(job.args, out_bits)
+                    error, cause = _not_finite(job.args, out_bits)
                     self.metrics.nonfinite.labels(cause).inc()
                     results.append(error)
                     done.append(0)
@@ -452,3 +452,23 @@ def _settle(jobs: list[Job], results: list) -> None:
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
+
+
+def _not_finite(args: ForwardArgs, out_bytes) -> tuple[RequestError, str]:
+    """-> (the error, its cause "input" or "output"), naming the first non-finite
+    input element, else the first token whose output is not finite (finite but
+    huge inputs overflow). A rare path: host scans are fine."""
+    for name, t in (("hidden_states", args.x), ("topk_weights", args.weights)):
+        mask = ~torch.isfinite(t)
+        if bool(mask.any()):
+            r, c = (int(v) for v in mask.nonzero()[0])
+            return invalid(
+                f"{name}[{r}, {c}] is {float(t[r, c])}: NaN/Inf inputs are refused"
+            ), "input"
+    bits = np.ascontiguousarray(out_bytes).view(np.uint16)  # bf16: exponent all ones
+    rows = np.flatnonzero(((bits & 0x7F80) == 0x7F80).any(axis=1))
+    token = int(rows[0]) if rows.size else 0
+    return invalid(
+        f"output overflowed bf16 at token {token}: its hidden_states or topk_weights "
+        "are too large (finite inputs, but the result is not)"
+    ), "output"

@@ -178,16 +178,11 @@ class GraphBank:
         buckets=DEFAULT_BUCKETS,
         slots: int = 1,
         fused_rows: int = 0,
-        keep_graphs: bool = False,
     ) -> None:
-        """keep_graphs: the captured graphs stay readable (`raw`: what server/armed.py
-        clones into its switch), and capture runs beside this process's other CUDA work
-        (a server that is serving already)."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.backend = backend
         self.fused_rows = fused_rows
-        self.keep_graphs = keep_graphs
         self.device = backend.device
         self.top_k = top_k
         self.buckets = sorted(buckets)
@@ -235,7 +230,6 @@ class GraphBank:
             raise ValueError(f"fused buckets need {self.slots} pairs of host buffers")
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        mode = {"capture_error_mode": "thread_local"} if self.keep_graphs else {}
         with torch.cuda.stream(stream):
             for m in self.buckets:
                 layout = self.layouts[m]
@@ -249,8 +243,8 @@ class GraphBank:
                     args = (self.backend, state, x, ids, weights, out, bad)
                     if slot == 0:
                         forward_checked(*args)  # warm-up
-                    graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graphs)
-                    with torch.cuda.graph(graph, pool=self._pool, stream=stream, **mode):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                         if self.fused(m):
                             host_in, host_out = hosts[slot]
                             n_in, n_out = layout.in_bytes, layout.out_bytes
@@ -272,10 +266,6 @@ class GraphBank:
             return None
         bucket = next(b for b in self.buckets if b >= m)
         return bucket if (layer, bucket, 0) in self._graphs else None
-
-    def raw(self, layer: int, bucket: int, slot: int = 0) -> int:
-        """The cudaGraph_t (an int) of (layer, bucket, slot); needs keep_graphs."""
-        return self._graphs[(layer, bucket, slot)].raw_cuda_graph()
 
     def replay(self, layer: int, bucket: int, slot: int, plain: bool = False) -> None:
         """Replay on the current stream: reads the slot's input buffer in

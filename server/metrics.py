@@ -152,12 +152,6 @@ class Metrics:
             ["transport"],
             registry=r,
         )
-        self.armed_calls = Counter(
-            "expertd_armed_calls",
-            "On-stream calls this GPU ran as their client's stream rang them, with no host "
-            "in between (server/armed.py)",
-            registry=r,
-        )
         self._memory = _DeviceMemory(None)
         r.register(self._memory)
 

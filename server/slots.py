@@ -42,8 +42,7 @@ import torch
 
 from expertd import cudamem
 from expertd import dataplane as dp
-from expertd.server import armed
-from expertd.server.validate import RequestError, check_forward, invalid, not_finite
+from expertd.server.validate import RequestError, invalid
 
 log = logging.getLogger("expertd.server")
 
@@ -63,7 +62,6 @@ NEXT_EARLY_S = 100e-6
 NEXT_SPIN_S = 50e-6
 NEXT_MAX_S = 5e-3
 WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
-_NO_ROWS = np.empty((1 << 20, 0), np.uint8)  # an armed call's answer: its rows are in place
 PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 
 
@@ -245,15 +243,6 @@ class Slot:
         ctl = self.ctl
         if self.dev is None or ctl is None or not ctl.flags & dp.FLAG_STREAM:
             return None
-        base = self.ctl_device()
-        return None if base is None else (base + dp.Control.done_seq.offset, self.seq)
-
-    def ctl_device(self) -> int | None:
-        """cuda-ipc: the control block's GPU address (page-locked and mapped the first
-        time), or None where the host slot cannot be mapped."""
-        ctl = self.ctl
-        if self.dev is None or ctl is None:
-            return None
         if self._mapped is None:
             try:
                 self._mapped = cudamem.PinnedHost(
@@ -264,7 +253,7 @@ class Slot:
                 self._mapped = False
         if not self._mapped:
             return None
-        return self._mapped.device_ptr
+        return self._mapped.device_ptr + dp.Control.done_seq.offset, self.seq
 
     def device_proof(self) -> int:
         """cuda-ipc: the u64 at the start of the output region (the client's nonce)."""
@@ -359,8 +348,6 @@ class Lease:
         self.closed = False
         self.transport = dp.SHM
         self._send_lock = threading.Lock()
-        self.armed: armed.ArmedLease | None = None  # made at its first ring-numbered call
-        self.armed_lock = threading.Lock()
 
     def notify(self, index: int) -> None:
         """DONE on the socket, never blocking (a client that asked reads it)."""
@@ -373,9 +360,6 @@ class Lease:
         self.closed = True
         with contextlib.suppress(OSError):
             self.conn.shutdown(socket.SHUT_RDWR)
-        with self.armed_lock:
-            if self.armed is not None:  # its waits released before the slots unmap
-                self.armed.close()
         for slot in self.slots:
             slot.close()
         self.registry._dropped(self)
@@ -517,8 +501,6 @@ class SlotRegistry:
                     lease.slots.append(Slot(lease, i, fd, pending.layout, device, pin))
                 except cudamem.CudaIpcError as e:  # out of device memory, most likely
                     raise ValueError(f"no device memory for the slots: {e}") from None
-                if device is not None and armed.supported(self.servicer.batcher.runner):
-                    lease.slots[-1].ctl.features |= dp.FEATURE_ARMED
             socket.send_fds(conn, [dp.FDS + pending.lease_id.encode()], fds)
         finally:
             for fd in fds:  # the mappings keep the memory; the client has its own fds
@@ -618,12 +600,6 @@ class SlotRegistry:
         """Read and check the rung call, then queue it (on the event loop)."""
         ctl = slot.ctl
         lay = slot.layout
-        if ctl.ring_n and ctl.flags & dp.FLAG_STREAM and slot.dev is not None:
-            plan = self._armed(slot.lease)
-            verdict = plan.claim(slot) if plan is not None else None
-            if verdict is not None and verdict[0]:
-                self._answer_armed(slot, verdict[1], verdict[2], received)
-                return
         layer, m, k, timeout_us = ctl.layer, ctl.m, ctl.k, ctl.timeout_us
         bank = self.servicer.admit()
         if m > lay.max_tokens:
@@ -637,44 +613,6 @@ class SlotRegistry:
         self.servicer.run_slot_call(
             slot, bank, layer, x, ids, w, timeout_us, ctl.request_id, received, trace
         )
-
-    def _armed(self, lease: Lease) -> armed.ArmedLease | None:
-        """The lease's armed calls (server/armed.py), set up at its first call that
-        asks for them; None where this server cannot arm."""
-        with lease.armed_lock:
-            if lease.armed is None and not lease.closed:
-                runner = self.servicer.batcher.runner
-                if not armed.supported(runner):
-                    return None
-                lease.armed = armed.ArmedLease(runner, lease.slots, lease.slots[0].dev.device)
-            return lease.armed
-
-    def _answer_armed(self, slot: Slot, bad: bool, device_us: float, received: int) -> None:
-        """A call the GPU ran by itself: checked as Forward checks it (an error is its
-        answer, which the client raises late), then answered with its timing."""
-        ctl = slot.ctl
-        layer, m, k = ctl.layer, ctl.m, ctl.k
-        bank = self.servicer.bank
-        x, ids, w = slot.inputs(m, k, slot.layout.hidden)
-        args = check_forward(layer, x, ids, w, bank.info, self.servicer.limits, bank.has_layer)
-        if bad:
-            out = slot.device_out(m).cpu().view(torch.int16).numpy().view(np.uint16)
-            error, cause = not_finite(args, out)
-            self.servicer.metrics.nonfinite.labels(cause).inc()
-            raise error
-        us = int(device_us)
-        timing = {
-            "queue_us": 0,
-            "compute_us": us,
-            "total_us": (time.perf_counter_ns() - received) // 1000,
-            "stage_us": 0,
-            "device_us": us,
-            "batch_requests": 1,
-            "batch_tokens": m,
-        }
-        slot.write_output(_NO_ROWS[:m], timing, placed=True)
-        self.servicer.count_slot(grpc.StatusCode.OK)
-        self.servicer.metrics.armed_calls.inc()
 
     def close(self) -> None:
         """Stop accepting and end every lease (clients see the socket close)."""

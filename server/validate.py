@@ -128,23 +128,3 @@ def _ranges(values) -> str:
         out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
         i = j + 1
     return ",".join(out) or "none"
-
-
-def not_finite(args: ForwardArgs, out_bytes) -> tuple[RequestError, str]:
-    """-> (the error, its cause "input" or "output"), naming the first non-finite
-    input element, else the first token whose output is not finite (finite but
-    huge inputs overflow). A rare path: host scans are fine."""
-    for name, t in (("hidden_states", args.x), ("topk_weights", args.weights)):
-        mask = ~torch.isfinite(t)
-        if bool(mask.any()):
-            r, c = (int(v) for v in mask.nonzero()[0])
-            return invalid(
-                f"{name}[{r}, {c}] is {float(t[r, c])}: NaN/Inf inputs are refused"
-            ), "input"
-    bits = np.ascontiguousarray(out_bytes).view(np.uint16)  # bf16: exponent all ones
-    rows = np.flatnonzero(((bits & 0x7F80) == 0x7F80).any(axis=1))
-    token = int(rows[0]) if rows.size else 0
-    return invalid(
-        f"output overflowed bf16 at token {token}: its hidden_states or topk_weights "
-        "are too large (finite inputs, but the result is not)"
-    ), "output"
