@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from modelopt_export import quantize_and_export
+from modelopt_export import E2M1, quantize_and_export
 from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 SEED = 0
@@ -56,7 +56,6 @@ CONFIG = dict(
     tie_word_embeddings=True,
     initializer_range=0.08,
 )
-TABLE = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def build_model() -> Llama4ForCausalLM:
@@ -73,7 +72,7 @@ def dequantize(f, name: str) -> torch.Tensor:
     packed = f.get_tensor(name)
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-2).flatten(1, 2).long()
     scales = f.get_tensor(f"{name}_weight_scale").float().repeat_interleave(16, dim=1)
-    return TABLE[codes] * scales * f.get_tensor(f"{name}_weight_scale_2").float()
+    return E2M1[codes] * scales * f.get_tensor(f"{name}_weight_scale_2").float()
 
 
 def check_export(path: Path, experts: list[dict[str, torch.Tensor]]) -> None:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from modelopt_export import quantize_and_export
+from modelopt_export import E2M1, quantize_and_export
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 SEED = 0
@@ -76,9 +76,8 @@ def dequantize(f, name: str) -> torch.Tensor:
     """One exported projection back to float32: low nibble = even column, bit 3 the sign."""
     packed = f.get_tensor(f"{name}.weight")
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
-    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
     scales = f.get_tensor(f"{name}.weight_scale").float().repeat_interleave(16, dim=-1)
-    return table[codes] * scales * f.get_tensor(f"{name}.weight_scale_2").float()
+    return E2M1[codes] * scales * f.get_tensor(f"{name}.weight_scale_2").float()
 
 
 def check_export(path: Path, experts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -11,6 +11,10 @@ import modelopt.torch.quantization as mtq
 import torch
 from modelopt.torch.export import export_hf_checkpoint
 
+# An E2M1 code's value (bit 3 the sign): what the scripts' own checks decode the export
+# with, independently of the project's decoder.
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
 
 def quantize_and_export(model: torch.nn.Module, vocab_size: int, seed: int, out: Path):
     """Quantize `model`'s experts (NVFP4_EXPERTS_ONLY_CFG; the input scales from four
