@@ -3,6 +3,7 @@
     python examples/remote_experts_hf.py                       # the tiny Qwen3-MoE test fixture
     python examples/remote_experts_hf.py --device cuda         # model and shards on the GPU
     python examples/remote_experts_hf.py --checkpoint DIR --servers host:50051,host:50052
+    python examples/remote_experts_hf.py --device cuda --local-baseline   # tokens/s both ways
 
 The steps a frontend takes (copy them):
 
@@ -17,6 +18,10 @@ model runs on `--device` too; the client picks each shard's data plane by itself
 (cuda-ipc for a model on the GPU next to GPU shards, shared memory on the CPU).
 tests/client/test_model_family_e2e.py and tests/gpu/test_cuda_model_family.py check that
 the tokens are those of the same model running the export's experts decoded locally.
+
+`--local-baseline` also runs that local model (the export's experts decoded to bf16 into
+transformers' own experts module, on `--device`) on the same prompts and prints its
+tokens/s beside the remote one's, and whether the tokens agree.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 import transformers
 
 from expertd.client import ExpertClient
-from expertd.client.hf import load_unquantized_weights, use_remote_experts
+from expertd.client.hf import load_unquantized_weights, moe_blocks, use_remote_experts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3-moe-tiny"
 
@@ -43,6 +48,29 @@ def build_model(checkpoint: Path) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16)
     load_unquantized_weights(model.eval(), checkpoint)
     return model
+
+
+def use_local_experts(model: torch.nn.Module, checkpoint: Path) -> None:
+    """The baseline: every MoE block's experts decoded from the export into transformers'
+    own experts module, in the model's dtype: fused `gate_up_proj` [E, 2I, H] and
+    `down_proj` [E, H, I] as Qwen3-MoE, Mixtral and DeepSeek-V3 hold them, transposed
+    ([E, H, 2I], [E, I, H]) in Llama-4's."""
+    from expertd.server.checkpoint import CheckpointReader  # the shard's decoder, reused
+
+    reader = CheckpointReader(checkpoint)
+    everyone = list(range(reader.num_experts))
+    for layer, block in moe_blocks(model).items():
+        experts = block.experts
+        if not hasattr(experts, "gate_up_proj") or reader.post_norm:
+            raise SystemExit(f"--local-baseline: no local baseline for {type(experts).__name__}")
+        shard = reader.load_layer(layer, everyone)
+        gate_up = torch.cat((shard.gate.dequantize(), shard.up.dequantize()), dim=1)
+        down = shard.down.dequantize()
+        if type(experts).__name__ == "Llama4TextExperts":
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(gate_up)
+            experts.down_proj.copy_(down)
 
 
 def greedy(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -63,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", help="shard addresses, comma-separated (default: start 2)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--local-baseline", action="store_true", help="also time the model's experts run locally"
+    )
     args = parser.parse_args(argv)
     prompts = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     prompts = prompts.to(args.device)
@@ -95,6 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if shards:
             stop_shards(shards)
+    if args.local_baseline:
+        local = build_model(args.checkpoint)
+        use_local_experts(local, args.checkpoint)
+        local.to(args.device)
+        greedy(local, prompts, 2)
+        start = time.perf_counter()
+        want = greedy(local, prompts, args.new_tokens)
+        local_seconds = time.perf_counter() - start
+        same = (want == tokens).float().mean().item()
+        print(
+            f"local experts: {want.numel() / local_seconds:.1f} tokens/s; remote / local time "
+            f"{seconds / local_seconds:.2f}x; {same:.0%} of the tokens equal"
+        )
     return 0
 
 

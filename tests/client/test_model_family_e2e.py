@@ -124,14 +124,17 @@ def test_serve_refuses_an_unsupported_setting_naming_it(tmp_path):
 
 @pytest.mark.parametrize(("checkpoint", "layers"), [(FIXTURE, "[0, 1]"), (LLAMA4, "[0]")])
 def test_example_runs_as_documented(checkpoint, layers):
+    flags = ["--checkpoint", str(checkpoint), "--new-tokens", "6", "--local-baseline"]
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--checkpoint", str(checkpoint), "--new-tokens", "6"],
+        [sys.executable, str(EXAMPLE), *flags],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"MoE layers {layers}" in done.stdout and "generated 12 tokens" in done.stdout
+    # the local experts decoded into transformers' module (Llama-4's transposed) agree
+    assert "local experts:" in done.stdout and "100% of the tokens equal" in done.stdout
 
 
 def build_llama4() -> torch.nn.Module:
