@@ -388,6 +388,68 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
     }
 
 
+def measure_graph(client: ExpertClient, preset, m: int, reps: int) -> dict:
+    """`measure` for a call captured in a CUDA graph: e2e is one replay and the wait
+    for it; the shards' Timing comes from `client.synchronize()` (GraphCalls.check)."""
+    gen = torch.Generator().manual_seed(m)
+    inputs = []
+    for _ in range(4):
+        x = torch.randn((m, preset.hidden_size), generator=gen).to(torch.bfloat16)
+        ids, w = routing(m, preset, gen)
+        inputs.append((x.cuda(), ids.cuda(), w.cuda()))
+    static = [t.clone() for t in inputs[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager first, as before any capture
+        client.forward(0, *static)
+    side.synchronize()
+    client.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        client.forward(0, *static)
+    stream = torch.cuda.current_stream()
+    endpoints = list(client._client._pool.endpoints.values())
+    e2e, busiest, total, overhead = [], [], [], []
+    for i in range(max(5, reps // 10) + reps):
+        for dst, src in zip(static, inputs[i % 4], strict=True):
+            dst.copy_(src)
+        stream.synchronize()
+        for ep in endpoints:
+            ep.last_timing = None
+        t0 = time.perf_counter()
+        graph.replay()
+        stream.synchronize()
+        t = (time.perf_counter() - t0) * 1e6
+        client.synchronize()
+        if i < max(5, reps // 10):
+            continue
+        fwd = [_compute_us(ep.last_timing) for ep in endpoints if ep.last_timing is not None]
+        e2e.append(t)
+        busiest.append(max(fwd, default=0.0))
+        total.append(sum(fwd))
+        overhead.append(t - busiest[-1])
+    queued = max(10, reps // 4)
+    t0 = time.perf_counter()
+    for _ in range(queued):
+        graph.replay()
+    stream.synchronize()
+    per_call = (time.perf_counter() - t0) * 1e6 / queued
+    client.synchronize()
+    return {
+        "M": m,
+        "e2e_p50_us": pct(e2e, 0.5),
+        "e2e_p99_us": pct(e2e, 0.99),
+        "busiest_forward_p50_us": pct(busiest, 0.5),
+        "sum_forward_p50_us": pct(total, 0.5),
+        "overhead_p50_us": pct(overhead, 0.5),
+        "overhead_p99_us": pct(overhead, 0.99),
+        "queued_per_call_us": per_call,
+        "transports": sorted({s["transport"] for s in client.stats().values()}),
+        "stream_calls": 0,
+        "stages_mean_us": {},
+    }
+
+
 # The client's stages shown per row (client/telemetry.py), where the time of a call goes.
 STAGE_COLUMNS = (
     "stage",
@@ -534,6 +596,7 @@ def _main(args) -> int:
 
 
 ON_STREAM = "cuda-ipc-stream"
+IN_GRAPH = "cuda-ipc-graph"  # the call captured in a CUDA graph, timed per replay
 
 
 def run(args, far: Far | None) -> int:
@@ -546,8 +609,8 @@ def run(args, far: Far | None) -> int:
         default += ",cuda-ipc"
     if far is not None:  # no shard on this host: no same-host plane
         default = ",".join(t for t in default.split(",") if t not in ("shm", "cuda-ipc"))
-    if args.device != "cuda" and ON_STREAM in (args.transports or ""):
-        raise SystemExit(f"{ON_STREAM} needs --device cuda")
+    if args.device != "cuda" and any(t in (args.transports or "") for t in (ON_STREAM, IN_GRAPH)):
+        raise SystemExit(f"{ON_STREAM} and {IN_GRAPH} need --device cuda")
     transports = (args.transports or default).split(",")
     client_device = args.device
     common = [
@@ -602,12 +665,19 @@ def run(args, far: Far | None) -> int:
             addresses = [p.address for p in procs]
             for transport in transports:
                 # cuda-ipc-stream: cuda-ipc slots, calls queued on the caller's stream
-                on_stream = transport == ON_STREAM
+                # cuda-ipc-graph: each M's call captured once, replayed
+                on_stream = transport in (ON_STREAM, IN_GRAPH)
                 plane = "cuda-ipc" if on_stream else transport
-                with ExpertClient(addresses, transport=plane, on_stream=on_stream) as client:
+                kept = len(ms) if transport == IN_GRAPH else 0
+                with ExpertClient(
+                    addresses, transport=plane, on_stream=on_stream, graph_slots=kept
+                ) as client:
                     for m in ms:
                         row = {"shards": n, "transport": transport}
-                        row.update(measure(client, preset, m, args.reps, client_device))
+                        if transport == IN_GRAPH:
+                            row.update(measure_graph(client, preset, m, args.reps))
+                        else:
+                            row.update(measure(client, preset, m, args.reps, client_device))
                         rows.append(row)
                         print(json.dumps(row), flush=True)
         finally:

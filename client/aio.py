@@ -71,6 +71,7 @@ BUSY_PAUSE_MAX = 1.0  # s: the longest pause after an overload refusal
 # offers none); "grpc" (= "stream") and "unary" use no data plane.
 TRANSPORTS = ("auto", "cuda-ipc", "shm", "nixl", "tcp", "grpc", "stream", "unary")
 FORCED_SLOTS = ("cuda-ipc", "shm", "tcp")
+GRAPH_SLOTS_PER_LEASE = 16  # a shard's largest lease (server/slots.py MAX_SLOTS_PER_LEASE)
 
 
 class Fallback(Exception):
@@ -476,6 +477,59 @@ class AsyncExpertClient:
                     ep.dataplane.release(slot)
                 return None
             picked.append((got[0], shard, got[1]))
+        return picked
+
+    async def keep_graph_slots(self, n: int, device: torch.device, timeout=None) -> list:
+        """Lease `n` more cuda-ipc slots from every replica on `device` and keep them for
+        calls captured in CUDA graphs (client/onstream.GraphCalls: one slot per shard per
+        captured call, for good) -> the slots leased. Replicas on another data plane
+        are left out (a captured call of their layers is refused)."""
+        timeout = self.discover_timeout if timeout is None else timeout
+        await self.open_dataplanes(timeout)
+
+        async def keep(ep: Endpoint) -> list:
+            ch = ep.dataplane
+            if not isinstance(ch, CudaIpcChannel) or ch.device != device or not ch.usable():
+                return []
+            got: list = []
+            while len(got) < n:
+                take = min(n - len(got), GRAPH_SLOTS_PER_LEASE)
+                got += await ch.grow(ep.stub, self._register_md, take, timeout, keep=True)
+            ch.graph_free.extend(got)
+            return got
+
+        eps = [ep for ep in self._pool.endpoints.values() if ep.alive and ep.info is not None]
+        return [slot for got in await asyncio.gather(*(keep(ep) for ep in eps)) for slot in got]
+
+    def graph_slots(self, layer: int, device: torch.device):
+        """[(replica, shard, kept slot)], one per shard of `layer`, for a call captured in
+        a CUDA graph (`keep_graph_slots`), taken for good; None when the layer's shards do
+        not own each expert exactly once or one has no kept slot left on `device`."""
+        topo = self.topology
+        shards = None if topo is None else self._partition(topo, layer)
+        if shards is None:
+            return None
+        picked = []
+        for shard in shards:
+            for address in shard.addresses:
+                ep = self._pool.endpoints[address]
+                ch = ep.dataplane
+                if (
+                    ep.alive
+                    and ep.info is not None
+                    and isinstance(ch, CudaIpcChannel)
+                    and ch.instance_id == ep.info.instance_id
+                    and ch.device == device
+                    and ch.usable()
+                    and ch.graph_free
+                    and ch.graph_free[-1].ctl.features & dp.FEATURE_GRAPH
+                ):
+                    picked.append((ep, shard, ch.graph_free.pop()))
+                    break
+            else:
+                for ep, _shard, slot in picked:
+                    ep.dataplane.graph_free.append(slot)
+                return None
         return picked
 
     def _partition(self, topo: Topology, layer: int):

@@ -81,6 +81,10 @@ class CudaIpcSlot(Slot):
         self.ids_host: torch.Tensor | None = None
         self.w_host: torch.Tensor | None = None
         self.done = torch.cuda.Event()
+        # Calls captured in a CUDA graph: the routes regions as CUDA tensors over the
+        # mapped host slot (the graph's copies write them as kernels do), made once
+        self.ids_mapped: torch.Tensor | None = None
+        self.w_mapped: torch.Tensor | None = None
 
     def stream_words(self) -> tuple[int, int]:
         """(req_seq, done_seq) as the GPU addresses them: the host slot is page-locked
@@ -95,6 +99,17 @@ class CudaIpcSlot(Slot):
             self.w_host = torch.from_numpy(self.w)
         dev = self._mapped.device_ptr
         return dev + dp.Control.req_seq.offset, dev + dp.Control.done_seq.offset
+
+    def map_routes(self) -> None:
+        """`stream_words`, and the routes regions as int32 / fp32 CUDA tensors over the
+        mapped host slot, for a graph's copies (outside any capture: page-locking and
+        mapping are not captured work)."""
+        self.stream_words()
+        if self.ids_mapped is None:
+            lay = self.layout
+            n = 4 * lay.max_tokens * lay.top_k
+            self.ids_mapped = self._mapped.device_tensor(lay.ids_offset, n).view(torch.int32)
+            self.w_mapped = self._mapped.device_tensor(lay.weights_offset, n).view(torch.float32)
 
     def write_proof(self, nonce: int) -> None:
         """The registration nonce into the device out region too (the shard reads it
@@ -185,7 +200,7 @@ class CudaIpcSlot(Slot):
             self.read_done.synchronize()
             self.reading = False
         self.done.synchronize()  # an on-stream call's copies and host function are done
-        self.ids_host = self.w_host = None
+        self.ids_host = self.w_host = self.ids_mapped = self.w_mapped = None
         if self._mapped is not None:
             mapped, self._mapped = self._mapped, None
             with contextlib.suppress(Exception):
@@ -207,6 +222,7 @@ class CudaIpcChannel(ShmChannel):
     def __init__(self, address: str, instance_id: str, device: torch.device) -> None:
         super().__init__(address, instance_id)
         self.device = torch.device(device)
+        self.graph_free: list[CudaIpcSlot] = []  # kept for captured calls, not yet taken
 
     def map_slots(self, sock, lease, fds, layout: dp.Layout) -> None:
         """Read the slots' CUDA IPC handles (the message after FDS on the lease socket)

@@ -60,7 +60,7 @@ from expertd import cudamem
 from expertd import dataplane as dp
 from expertd.client.cudaipc import CudaIpcSlot
 from expertd.client.errors import ShardCallError
-from expertd.client.shm import EOF_CHECK_S
+from expertd.client.shm import _CODES, EOF_CHECK_S
 
 log = logging.getLogger("expertd.client")
 
@@ -94,16 +94,25 @@ def usable(slots: list[CudaIpcSlot], m: int, k: int) -> bool:
     return True
 
 
-def enqueue(slots: list[CudaIpcSlot], layer: int, x, ids, w, timeout: float) -> torch.Tensor:
+def enqueue(
+    slots: list[CudaIpcSlot], layer: int, x, ids, w, timeout: float, graph: bool = False
+) -> torch.Tensor:
     """Queue one call to each slot (one per shard, `usable` checked) on the caller's
     current stream of x's device, then the sum of their answers -> bf16 [M, H], complete
     once the stream gets there. x: bf16 [M, H] on the slots' GPU; ids, w: [M, k] on the
     GPU (any integer / float dtype). Every shard gets every token and all of its routes
     and computes the routes to its own experts (the others are no work for it); the
-    answers are summed in shard order in float32, as the split path's sum does."""
+    answers are summed in shard order in float32, as the split path's sum does.
+
+    `graph`: the stream is capturing a CUDA graph and the slots are kept for it
+    (`GraphCalls`): every value the stream stores is the same on each replay (see
+    `_ring_graph`), and no event marks the call (no host tracks it)."""
     stream = torch.cuda.current_stream(x.device)
     for slot in slots:  # every shard's rows and doorbell first: they compute side by side
-        _ring(slot, stream, layer, x, ids, w, timeout)
+        if graph:
+            _ring_graph(slot, stream, layer, x, ids, w, timeout)
+        else:
+            _ring(slot, stream, layer, x, ids, w, timeout)
     if slots[0].sem:  # then the wake-ups of waiters asleep (a spinning one saw its word)
         for slot in slots:
             cudamem.host_call(stream, _sem_post(), slot.sem)
@@ -119,8 +128,9 @@ def enqueue(slots: list[CudaIpcSlot], layer: int, x, ids, w, timeout: float) -> 
         for slot in slots[1:]:
             acc.add_(slot.out_dev[:m])
         out = acc.to(torch.bfloat16)
-    for slot in slots:
-        slot.done.record(stream)
+    if not graph:
+        for slot in slots:
+            slot.done.record(stream)
     return out
 
 
@@ -148,6 +158,30 @@ def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> N
         slot.ids_host[: m * k].view(m, k).copy_(ids, non_blocking=True)
         slot.w_host[: m * k].view(m, k).copy_(w, non_blocking=True)
     cudamem.write_value(stream, req_dev, seq)
+
+
+def _ring_graph(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> None:
+    """`_ring` for a call captured in a CUDA graph. The header is stored once, now (the
+    slot serves this one captured call for good); each replay stores done_seq = 0, the
+    rows, then req_seq = GRAPH_SEQ, and waits for done_seq == GRAPH_SEQ (the shard sets
+    req_seq back to 0 as it takes the call: FLAG_GRAPH)."""
+    m, k = ids.shape
+    req_dev, done_dev = slot.stream_words()
+    ctl = slot.ctl
+    ctl.layer = layer
+    ctl.m = m
+    ctl.k = k
+    ctl.flags = dp.FLAG_STREAM | dp.FLAG_GRAPH
+    ctl.timeout_us = max(int(timeout * 1e6), 1)
+    ctl.span_id = 0
+    slot.seq = dp.GRAPH_SEQ
+    slot.rows = m
+    cudamem.write_value(stream, done_dev, 0)
+    if m:
+        slot.x_dev[:m].copy_(x, non_blocking=True)
+        slot.ids_mapped[: m * k].view(m, k).copy_(ids, non_blocking=True)
+        slot.w_mapped[: m * k].view(m, k).copy_(w, non_blocking=True)
+    cudamem.write_value(stream, req_dev, dp.GRAPH_SEQ)  # after a fence: the rows first
 
 
 class _Call:
@@ -293,3 +327,140 @@ def _stream_done(slot) -> None:
     done = getattr(slot, "done", None)
     if done is not None:
         done.synchronize()
+
+
+# How often the host looks at the slots of captured calls (a shard's end or a deadline
+# is seen within this; so is a graph's error before `synchronize` looks itself).
+GRAPH_WATCH_S = 0.01
+GRAPH_SETTLE_S = 50e-6  # how often `settle` looks again
+
+
+class _GraphCall:
+    __slots__ = ("answered", "ep", "errors", "experts", "layer", "since", "slot", "timeout")
+
+    def __init__(self, slot, ep, layer: int, experts, timeout: float) -> None:
+        self.slot, self.ep, self.layer, self.experts = slot, ep, layer, experts
+        self.timeout = timeout
+        self.errors = slot.ctl.graph_errors
+        self.answered = slot.ctl.answered_ns
+        self.since: float | None = None  # when the call was first seen in flight
+
+
+class GraphCalls:
+    """The calls captured in CUDA graphs (`ExpertClient(..., on_stream=True,
+    graph_slots=N)`), each keeping one slot per shard for good, and the host's watch over
+    them, since no host waits for a replayed call: a thread looks at every such slot
+    every GRAPH_WATCH_S and
+
+    - records each error the shard answered a replay with (its status and text; the
+      replay's rows hold no answer), raised by the next `forward` or `synchronize`;
+    - releases a replay's stream whose shard is gone (its lease ended: UNAVAILABLE) or
+      has not answered within the call's timeout (DEADLINE_EXCEEDED; its lease is ended
+      too) by storing done_seq itself, so the caller's graph is never left waiting.
+
+    The slots stay mapped until the client closes: close it only once its graphs are
+    no longer replayed."""
+
+    def __init__(self) -> None:
+        self._calls: list[_GraphCall] = []
+        self._errors: list[ShardCallError] = []
+        self._lock = threading.Lock()
+        self._checking = threading.Lock()  # the watch thread and `synchronize` alike
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, slot, ep, layer: int, experts, timeout: float) -> None:
+        with self._lock:
+            self._calls.append(_GraphCall(slot, ep, layer, experts, timeout))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="expertd-graphs", daemon=True
+                )
+                self._thread.start()
+
+    def check(self) -> None:
+        """Look at every captured call's slot now (see the class)."""
+        with self._checking:
+            self._check()
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            ctl = call.slot.ctl
+            if ctl is None:
+                continue
+            errors = ctl.graph_errors
+            if errors != call.errors:
+                call.errors = errors
+                code = _CODES.get(ctl.graph_status, grpc.StatusCode.UNKNOWN)
+                self._record(call, code, call.slot.error_text() or code.name)
+            answered = ctl.answered_ns
+            if answered != call.answered:  # answered since the last look: not stuck
+                call.answered = answered
+                call.since = None
+                call.ep.last_timing = {name: getattr(ctl, name) for name in dp.TIMING_FIELDS}
+            if ctl.done_seq != 0:  # no replay waiting on this slot
+                call.since = None
+                continue
+            if call.since is None:  # a replay waits: since when (as far as looks tell)
+                call.since = now
+            elif call.slot.lease.check_closed():
+                why = call.slot.lease.why or "lease ended"
+                self._release(call, grpc.StatusCode.UNAVAILABLE, f"shard's slot lease ended: {why}")
+            elif now - call.since > call.timeout:
+                self._release(call, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+                call.slot.lease._ended("a call captured in a graph passed its deadline")
+
+    def _release(self, call: _GraphCall, code, details: str) -> None:
+        call.slot.ctl.done_seq = dp.GRAPH_SEQ  # the replay's stream goes on
+        call.since = None
+        self._record(call, code, details)
+
+    def _record(self, call: _GraphCall, code, details: str) -> None:
+        err = ShardCallError(call.ep.address, call.layer, call.experts, code, details)
+        log.warning("a call captured in a CUDA graph failed: %s", err)
+        with self._lock:
+            self._errors.append(err)
+
+    def raise_error(self) -> None:
+        with self._lock:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def settle(self, timeout: float) -> None:
+        """Once the caller's stream has been synchronized: wait (at most `timeout`) until
+        the shards' hosts have finished every replay they took. A shard's stream
+        releases a replay as soon as its rows are in place; its host then looks at the
+        rows (NaN/Inf) and may still answer with an error, which `check` must see."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            slots = [call.slot for call in self._calls]
+        for slot in slots:
+            while time.monotonic() < end:
+                ctl = slot.ctl
+                if ctl is None or slot.lease.closed:
+                    break
+                if ctl.req_seq == 0 and ctl.answered_ns >= ctl.seen_ns:  # taken, answered
+                    break
+                if ctl.done_seq == 0:  # a replay still waits: not the caller's synchronize
+                    break
+                time.sleep(GRAPH_SETTLE_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(GRAPH_WATCH_S):
+            try:
+                self.check()
+            except Exception:
+                log.exception("watching the calls captured in CUDA graphs failed")
+
+    def close(self) -> None:
+        """Stop watching and give the slots up (unmapped as their leases close)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for call in calls:
+            call.slot.held = False

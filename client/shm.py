@@ -215,15 +215,19 @@ class Slot:
         the call failed."""
         ctl = self.ctl
         if ctl.status:
-            n = min(ctl.error_len, dp.ERROR_BYTES)
-            text = bytes(self.mm[dp.ERROR_OFFSET : dp.ERROR_OFFSET + n]).decode("utf-8", "replace")
-            raise StreamCallError(_CODES.get(ctl.status, grpc.StatusCode.UNKNOWN), text)
+            code = _CODES.get(ctl.status, grpc.StatusCode.UNKNOWN)
+            raise StreamCallError(code, self.error_text())
         if ctl.out_rows != self.rows:
             raise StreamCallError(
                 grpc.StatusCode.INTERNAL,
                 f"shard answered {ctl.out_rows} rows, expected {self.rows}",
             )
         return self.rows
+
+    def error_text(self) -> str:
+        """The text of the last error the shard answered in this slot."""
+        n = min(self.ctl.error_len, dp.ERROR_BYTES)
+        return bytes(self.mm[dp.ERROR_OFFSET : dp.ERROR_OFFSET + n]).decode("utf-8", "replace")
 
     def result(self) -> np.ndarray:
         """The answer: bf16 bits uint16 [rows, H] viewing the output region; raises
@@ -402,16 +406,21 @@ class ShmChannel(SlotPool):
         super().__init__()
         self.calls = 0
 
-    async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
-        """Lease `slots` more slots from the replica (LeaseError when it cannot be done)."""
+    async def grow(self, stub, metadata, slots: int, timeout: float, keep: bool = False) -> list:
+        """Lease `slots` more slots from the replica (LeaseError when it cannot be done)
+        -> them. `keep`: held for the caller from now on (never handed out; calls
+        captured in CUDA graphs, client/onstream.py), not added to the free ones."""
         reply = await register_slots(stub, metadata, self, slots, timeout)
         lease = await asyncio.get_running_loop().run_in_executor(None, _claim, reply, timeout, self)
         lease.watch(asyncio.get_running_loop())
         for slot in lease.slots:
             slot.channel = self
+            slot.held = keep
         with self._lock:
             self.leases.append(lease)
-            self._free.extend(lease.slots)
+            if not keep:
+                self._free.extend(lease.slots)
+        return list(lease.slots)
 
     def map_slots(self, sock: socket.socket, lease: Lease, fds, layout: dp.Layout) -> None:
         """Map the lease's slots into this process (blocking, on the lease's socket

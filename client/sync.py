@@ -45,11 +45,23 @@ class ExpertClient:
 
         on_stream (default False): a CUDA caller's calls that cuda-ipc slots can carry
         are queued on its current stream and `forward` returns at once; their errors
-        are raised by a later `forward` or by `synchronize()` (client/onstream.py)."""
+        are raised by a later `forward` or by `synchronize()` (client/onstream.py).
+
+        graph_slots (default 0; with on_stream): N cuda-ipc slots leased now from every
+        replica on this GPU and kept for calls captured in CUDA graphs: a `forward`
+        while the caller's stream is capturing is recorded into the graph and runs on
+        each replay, taking one kept slot per shard for good (so N bounds the calls
+        captured per shard). Their errors (the shard's status, a shard gone, a
+        deadline) are raised by a later `forward` or by `synchronize()`, called once
+        the caller's stream has been synchronized (onstream.GraphCalls)."""
         if not addresses:
             raise ValueError("ExpertClient needs at least one address")
         on_stream = bool(options.pop("on_stream", False))
+        graph_slots = int(options.pop("graph_slots", 0))
+        if graph_slots and not on_stream:
+            raise ValueError("graph_slots needs on_stream=True")
         self._tracker = onstream.Tracker() if on_stream else None
+        self._graphs = onstream.GraphCalls() if graph_slots > 0 else None
         self._loop = shared_loop("expertd-client")
         self._closed = False
         if on_stream and torch.cuda.is_available():
@@ -60,6 +72,10 @@ class ExpertClient:
         self._client: AsyncExpertClient = self._run(AsyncExpertClient.connect(addresses, **options))
         if on_stream and torch.cuda.is_available():
             self._run(self._client.open_dataplanes())
+        if self._graphs is not None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            for slot in self._run(self._client.keep_graph_slots(graph_slots, device)):
+                slot.map_routes()  # page-locked and mapped now: a capture cannot do it
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -137,8 +153,12 @@ class ExpertClient:
         over, every slot busy) runs on the client's event loop, as `submit` does."""
         self._check_open()
         client = self._client
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._captured(layer, hidden_states, topk_ids, topk_weights, **kwargs)
         if self._tracker is not None:
             self._tracker.raise_error()
+            if self._graphs is not None:
+                self._graphs.raise_error()
             if hidden_states.is_cuda and kwargs.keys() <= {"timeout"}:
                 out = self._on_stream(layer, hidden_states, topk_ids, topk_weights, **kwargs)
                 if out is not None:
@@ -205,12 +225,69 @@ class ExpertClient:
             ep.stream_calls += 1
         return out
 
+    def _captured(self, layer, hidden_states, topk_ids, topk_weights, timeout=None):
+        """A call made while the caller's stream captures a CUDA graph: recorded into
+        the graph on kept slots (client/onstream.py) -> its bf16 [M, H] output."""
+        if self._graphs is None:
+            raise RuntimeError(
+                "a forward inside a CUDA graph capture needs ExpertClient(..., on_stream=True, "
+                "graph_slots=N): N slots per shard kept for the graph's calls"
+            )
+        client = self._client
+        topo = client.topology
+        if topo is None:
+            raise RuntimeError("no shard is known yet: call forward once before capturing")
+        m = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+        if (
+            hidden_states.dim() != 2
+            or hidden_states.shape[1] != topo.hidden_size
+            or topk_ids.dim() != 2
+            or topk_ids.shape[0] != m
+            or topk_weights.shape != topk_ids.shape
+            or topk_ids.dtype.is_floating_point
+            or topk_ids.dtype == torch.bool
+            or topk_ids.device != hidden_states.device
+            or topk_weights.device != hidden_states.device
+        ):
+            raise ValueError(
+                f"a captured call takes hidden_states [M, {topo.hidden_size}] and integer "
+                "topk_ids and topk_weights [M, K], all on one GPU; got "
+                f"{tuple(hidden_states.shape)}, {tuple(topk_ids.shape)} {topk_ids.dtype}, "
+                f"{tuple(topk_weights.shape)}"
+            )
+        picked = client.graph_slots(layer, hidden_states.device)
+        if picked is None:
+            raise RuntimeError(
+                f"no kept slot for a call of layer {layer} captured in a CUDA graph: each "
+                "captured call keeps one slot per shard for good (graph_slots per shard), "
+                "and every shard of the layer must be on cuda-ipc slots on this GPU"
+            )
+        slots = [slot for _ep, _shard, slot in picked]
+        timeout = client.timeout if timeout is None else timeout
+        x = hidden_states.detach()
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        onstream.usable(slots, m, topk_ids.shape[1])  # ValueError: does not fit a slot
+        out = onstream.enqueue(
+            slots, layer, x, topk_ids.detach(), topk_weights.detach(), timeout, graph=True
+        )
+        for ep, shard, slot in picked:
+            self._graphs.add(slot, ep, layer, list(shard.experts), timeout)
+        return out
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until every call queued on a stream (on_stream) is finished, then raise
         the first one's error that no call has raised yet (ShardCallError). The
-        outputs of a failed call hold no answer."""
+        outputs of a failed call hold no answer. Calls replayed from CUDA graphs are
+        not waited for (synchronize the stream first): the shards' hosts are, until
+        they have finished the replays they took, and their errors are looked for
+        then."""
         if self._tracker is not None:
             self._tracker.synchronize(timeout)
+        if self._graphs is not None:
+            self._graphs.settle(self._client.timeout if timeout is None else timeout)
+            self._graphs.check()
+            self._graphs.raise_error()
 
     def close(self) -> None:
         """Close the channels (calls still in flight fail); the shared loop keeps running."""
@@ -219,6 +296,8 @@ class ExpertClient:
         self._closed = True
         if self._tracker is not None:
             self._tracker.close()  # each queued call is answered or fails at its deadline
+        if self._graphs is not None:
+            self._graphs.close()  # the graphs' slots: unmapped as their leases close
         self._run(self._client.close())
 
     def __enter__(self) -> ExpertClient:

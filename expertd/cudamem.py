@@ -267,6 +267,13 @@ class PinnedHost:
                 self.device_ptr = ptr.value
         self.addr: int | None = addr
 
+    def device_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] at `offset` of the mapped range, as a CUDA tensor (kernels and
+        copies on the GPU read and write the host memory through it); `mapped` only."""
+        if not self.device_ptr or offset < 0 or offset + nbytes > self.nbytes:
+            raise CudaIpcError(f"no mapped range [{offset}, {offset + nbytes}) here")
+        return torch.as_tensor(_Span(self.device_ptr + offset, nbytes, self))
+
     def release(self) -> None:
         """Unregister: only once no queued copy reads or writes the memory, and before
         it is unmapped."""

@@ -50,6 +50,12 @@ DONE = b"D"  # shard -> client: DONE + slot index (u32), sent when the call aske
 
 FLAG_NOTIFY = 1  # control flags: also send DONE on the lease socket when finished
 FLAG_STREAM = 2  # cuda-ipc: queued on the client's stream, which waits for done_seq
+# cuda-ipc, with FLAG_STREAM: a call captured in the client's CUDA graph. Every replay
+# rings with the same req_seq (GRAPH_SEQ: a graph replays values fixed at capture), so the
+# shard's waiter sets req_seq back to 0 as it takes the call, and the client's stream,
+# which stored done_seq = 0 before ringing, waits for done_seq == GRAPH_SEQ.
+FLAG_GRAPH = 4
+GRAPH_SEQ = 1
 
 
 class Control(ctypes.Structure):
@@ -99,6 +105,10 @@ class Control(ctypes.Structure):
         # the host stores it too with every answer, error or not). A call queued on the
         # client's stream (FLAG_STREAM) waits for this word, not for resp_seq.
         ("done_seq", ctypes.c_uint32),
+        # FLAG_GRAPH calls: how many ended in an error, and the last one's status (its
+        # text in the error region); the client reads them, as no host waits per call
+        ("graph_errors", ctypes.c_uint32),
+        ("graph_status", ctypes.c_int32),
     )
 
 
@@ -109,6 +119,7 @@ class Control(ctypes.Structure):
 SEM_OFFSET = 192
 SEM_BYTES = 32
 FEATURE_SEM = 1  # the slot's semaphore is initialized: the client may wake with it
+FEATURE_GRAPH = 2  # the shard takes FLAG_GRAPH calls (sets req_seq back to 0 as it takes one)
 WAKE_SEM = 1
 ERROR_OFFSET = 256  # error text: bytes [256, 256 + ERROR_BYTES) of the control block
 assert ctypes.sizeof(Control) <= SEM_OFFSET

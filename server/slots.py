@@ -162,10 +162,11 @@ class Slot:
         self._mapped: cudamem.PinnedHost | bool | None = None  # stream_bell's mapping
         if layout.device:
             dp.sem_init(base + dp.SEM_OFFSET)
-            self.ctl.features = dp.FEATURE_SEM
+            self.ctl.features = dp.FEATURE_SEM | dp.FEATURE_GRAPH
         self.lock = threading.Lock()
         self.busy = False  # a call is in flight (from the doorbell to its answer)
         self.seq = 0  # the call being answered
+        self.bell_queued = False  # the runner's stream stores done_seq for it (stream_bell)
         self.answered = threading.Event()
         self.answered.set()
         self.thread: threading.Thread | None = None
@@ -253,6 +254,7 @@ class Slot:
                 self._mapped = False
         if not self._mapped:
             return None
+        self.bell_queued = True
         return self._mapped.device_ptr + dp.Control.done_seq.offset, self.seq
 
     def device_proof(self) -> int:
@@ -275,7 +277,8 @@ class Slot:
                 setattr(ctl, name, value)
             ctl.out_rows = n
             ctl.status = 0
-            ctl.error_len = 0
+            if not ctl.flags & dp.FLAG_GRAPH:  # a graph's last error text: kept for its watch
+                ctl.error_len = 0
             self._ring()
 
     def write_error(self, code: grpc.StatusCode, message: str) -> None:
@@ -288,6 +291,9 @@ class Slot:
             ctl.error_len = len(data)
             ctl.out_rows = 0
             ctl.status = code.value[0]
+            if ctl.flags & dp.FLAG_GRAPH:  # no host of the client waits for this call
+                ctl.graph_status = code.value[0]
+                ctl.graph_errors += 1
             self._ring()
 
     def _ring(self) -> None:
@@ -296,7 +302,11 @@ class Slot:
         ctl = self.ctl
         notify = ctl.flags & dp.FLAG_NOTIFY
         ctl.answered_ns = time.monotonic_ns()
-        ctl.done_seq = self.seq
+        # A graph's call whose rows the stream answered: its client's stream may be on
+        # its next replay already, which set done_seq back to 0 (stored here, that would
+        # release it before the shard has seen the call)
+        if not (self.bell_queued and ctl.flags & dp.FLAG_GRAPH):
+            ctl.done_seq = self.seq
         ctl.resp_seq = self.seq
         dp.futex_wake(self.resp_addr)
         self.busy = False
@@ -585,14 +595,17 @@ class SlotRegistry:
             if gaps is not None and answered:
                 gaps.add(time.monotonic() - answered)
             took = True
-            last = ctl.req_seq
+            seq = last = ctl.req_seq
             ctl.seen_ns = time.monotonic_ns()
+            if ctl.flags & dp.FLAG_GRAPH:  # every replay rings with GRAPH_SEQ: wait for 0 -> it
+                ctl.req_seq = last = 0  # (after seen_ns: the client's settle reads them so)
             received = time.perf_counter_ns()
             with slot.lock:
                 if slot.mm is None:
                     break
                 slot.busy = True
-                slot.seq = last
+                slot.seq = seq
+                slot.bell_queued = False
                 slot.answered.clear()
             self.servicer.take_slot_call(slot, lease.lease_id, self._take, slot, received)
 
