@@ -122,7 +122,7 @@ def enqueue(
     if len(slots) == 1 or not m:
         out = torch.empty((m, h), dtype=torch.bfloat16, device=x.device)
         if m:
-            out.copy_(slots[0].out_dev[:m], non_blocking=True)
+            cudamem.copy_into(stream, out, slots[0].out_dev[:m])
     else:
         acc = slots[0].out_dev[:m].float()
         for slot in slots[1:]:
@@ -154,9 +154,9 @@ def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> N
         stream.wait_event(slot.read_done)
         slot.reading = False
     if m:
-        slot.x_dev[:m].copy_(x, non_blocking=True)
-        slot.ids_host[: m * k].view(m, k).copy_(ids, non_blocking=True)
-        slot.w_host[: m * k].view(m, k).copy_(w, non_blocking=True)
+        cudamem.copy_into(stream, slot.x_dev[:m], x)
+        cudamem.copy_into(stream, slot.ids_host[: m * k].view(m, k), ids)
+        cudamem.copy_into(stream, slot.w_host[: m * k].view(m, k), w)
     cudamem.write_value(stream, req_dev, seq)
 
 
@@ -178,9 +178,9 @@ def _ring_graph(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float
     slot.rows = m
     cudamem.write_value(stream, done_dev, 0)
     if m:
-        slot.x_dev[:m].copy_(x, non_blocking=True)
-        slot.ids_mapped[: m * k].view(m, k).copy_(ids, non_blocking=True)
-        slot.w_mapped[: m * k].view(m, k).copy_(w, non_blocking=True)
+        cudamem.copy_into(stream, slot.x_dev[:m], x)
+        cudamem.copy_into(stream, slot.ids_mapped[: m * k].view(m, k), ids)
+        cudamem.copy_into(stream, slot.w_mapped[: m * k].view(m, k), w)
     cudamem.write_value(stream, req_dev, dp.GRAPH_SEQ)  # after a fence: the rows first
 
 

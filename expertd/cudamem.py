@@ -323,8 +323,11 @@ def driver() -> dict:
         host = _driver_fn(lib, "cuLaunchHostFunc")
         host.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
         host.restype = ctypes.c_int
+        copy = _driver_fn(lib, "cuMemcpyAsync")
+        copy.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+        copy.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-        _driver_fns.update(write=write, wait=wait, host=host, lib=lib)
+        _driver_fns.update(write=write, wait=wait, host=host, copy=copy, lib=lib)
         _driver = lib
         return _driver_fns
 
@@ -348,6 +351,31 @@ def wait_value(stream: torch.cuda.Stream, device_ptr: int, value: int, how: int 
     """Queue on `stream`: wait until the u32 at `device_ptr` meets `value` (`how`)."""
     fns = _driver_fns or driver()
     _check_driver(fns["wait"](stream.cuda_stream, device_ptr, value, how), "cuStreamWaitValue32")
+
+
+def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
+    """Queue on `stream`: copy `nbytes` from address `src` to `dst` (device memory, or
+    page-locked host memory: one address space), as torch's copy_ of two contiguous
+    tensors of one dtype does, without its dispatch (10-18 us of host time a copy on
+    the per-call path, docs/dataplane.md; this is one driver call)."""
+    fns = _driver_fns or driver()
+    _check_driver(fns["copy"](dst, src, nbytes, stream.cuda_stream), "cuMemcpyAsync")
+
+
+def copy_into(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, queued on `stream`: one driver call (`copy`) where both are contiguous
+    and alike (slots' rows, graph buffers, page-locked staging), torch's copy_ otherwise
+    (another dtype or layout)."""
+    if (
+        dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+    ):
+        copy(stream, dst.data_ptr(), src.data_ptr(), dst.nbytes)
+    else:
+        with on_stream(stream):
+            dst.copy_(src, non_blocking=True)
 
 
 def host_call(stream: torch.cuda.Stream, fn: int, arg: int) -> None:

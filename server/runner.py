@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from expertd.cudamem import on_stream, write_value
+from expertd.cudamem import copy_into, on_stream, write_value
 from expertd.progress import Progress
 from expertd.server.bank import ExpertBank
 from expertd.server.graphs import (
@@ -416,16 +416,15 @@ class BatchRunner:
         upload, download = (
             (self._compute, self._compute) if alone else (self._upload, self._download)
         )
-        with on_stream(upload):
-            views.routes_dev.copy_(views.routes_host, non_blocking=True)
-            row = 0
-            for x in xs:
-                rows = x.shape[0]
-                if rows:
-                    x_dev[row : row + rows].copy_(x, non_blocking=True)
-                    row += rows
-            if not alone:
-                slot.uploaded.record(upload)
+        copy_into(upload, views.routes_dev, views.routes_host)
+        row = 0
+        for x in xs:
+            rows = x.shape[0]
+            if rows:
+                copy_into(upload, x_dev[row : row + rows], x)
+                row += rows
+        if not alone:
+            slot.uploaded.record(upload)
         with on_stream(self._compute):
             if not alone:
                 self._compute.wait_event(slot.uploaded)
@@ -437,21 +436,20 @@ class BatchRunner:
                 forward_checked(self.bank.backend, state, x, i, w, out, bad)
             if not alone:
                 slot.computed.record(self._compute)
-        with on_stream(download):
-            if not alone:
-                download.wait_event(slot.computed)
-            views.flags_host.copy_(views.flags_dev, non_blocking=True)
-            row = 0
-            for x, out in zip(xs, outs, strict=True):
-                rows = x.shape[0]
-                if rows:
-                    out.copy_(out_dev[row : row + rows], non_blocking=True)
-                    row += rows
-            if bells is not None:
-                for bell in bells:
-                    if bell is not None:
-                        write_value(download, *bell)
-            slot.downloaded.record(download)
+        if not alone:
+            download.wait_event(slot.computed)
+        copy_into(download, views.flags_host, views.flags_dev)
+        row = 0
+        for x, out in zip(xs, outs, strict=True):
+            rows = x.shape[0]
+            if rows:
+                copy_into(download, out, out_dev[row : row + rows])
+                row += rows
+        if bells is not None:
+            for bell in bells:
+                if bell is not None:
+                    write_value(download, *bell)
+        slot.downloaded.record(download)
 
     def _collect(self, flight: Flight) -> Result:
         """A flight's results: computed now off the GPU; on CUDA, after waiting for its
