@@ -243,7 +243,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--ms", default=",".join(map(str, M_SWEEP)))
-    ap.add_argument("--kind", default="nvidia-h200")
+    ap.add_argument("--kind", help="the machine's name in the results (default: the GPU's)")
     ap.add_argument("--preset", default="muse-spark", choices=sorted(PRESETS))
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--bt-sweep-max", type=int, default=4096, help="time every BT up to this M")
@@ -270,6 +270,8 @@ def main() -> int:
     torch.manual_seed(0)
 
     name = torch.cuda.get_device_name()
+    if args.kind is None:  # e.g. nvidia-h100-80gb-hbm3, as benchmarks/transport.py names it
+        args.kind = "-".join(name.lower().split())
     # SM clock and power per timing (gpu_clocks.py): the forward runs at the 700 W power cap
     # from M = 16 when it runs long enough, so a time is read with the clock it ran at.
     sampler = start_sampler()
