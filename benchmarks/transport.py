@@ -373,6 +373,13 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
     per_call = (time.perf_counter() - t0) * 1e6 / queued
     client.synchronize()
     stats = client.stats()
+    row = _row(m, e2e, busiest, total, overhead, per_call, stats)
+    row.update(stream_calls=sum(s["stream_calls"] for s in stats.values()), stages_mean_us=stages)
+    return row
+
+
+def _row(m: int, e2e, busiest, total, overhead, per_call: float, stats: dict) -> dict:
+    """One row of results: percentiles of the calls' times (us)."""
     return {
         "M": m,
         "e2e_p50_us": pct(e2e, 0.5),
@@ -383,8 +390,6 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         "overhead_p99_us": pct(overhead, 0.99),
         "queued_per_call_us": per_call,
         "transports": sorted({s["transport"] for s in stats.values()}),
-        "stream_calls": sum(s["stream_calls"] for s in stats.values()),
-        "stages_mean_us": stages,
     }
 
 
@@ -435,19 +440,9 @@ def measure_graph(client: ExpertClient, preset, m: int, reps: int) -> dict:
     stream.synchronize()
     per_call = (time.perf_counter() - t0) * 1e6 / queued
     client.synchronize()
-    return {
-        "M": m,
-        "e2e_p50_us": pct(e2e, 0.5),
-        "e2e_p99_us": pct(e2e, 0.99),
-        "busiest_forward_p50_us": pct(busiest, 0.5),
-        "sum_forward_p50_us": pct(total, 0.5),
-        "overhead_p50_us": pct(overhead, 0.5),
-        "overhead_p99_us": pct(overhead, 0.99),
-        "queued_per_call_us": per_call,
-        "transports": sorted({s["transport"] for s in client.stats().values()}),
-        "stream_calls": 0,
-        "stages_mean_us": {},
-    }
+    row = _row(m, e2e, busiest, total, overhead, per_call, client.stats())
+    row.update(stream_calls=0, stages_mean_us={})
+    return row
 
 
 # The client's stages shown per row (client/telemetry.py), where the time of a call goes.

@@ -180,18 +180,8 @@ class ExpertClient:
         topo = client.topology
         if topo is None:
             return None
-        m = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if (
-            hidden_states.dim() != 2
-            or hidden_states.shape[1] != topo.hidden_size
-            or topk_ids.dim() != 2
-            or topk_ids.shape[0] != m
-            or topk_weights.shape != topk_ids.shape
-            or topk_ids.dtype.is_floating_point
-            or topk_ids.dtype == torch.bool
-            or topk_ids.device != hidden_states.device
-            or topk_weights.device != hidden_states.device
-        ):
+        m = _stream_rows(topo.hidden_size, hidden_states, topk_ids, topk_weights)
+        if m is None:
             return None  # the usual path checks and words the error
         device = hidden_states.device
         picked = client.stream_slots(layer, device)
@@ -237,18 +227,8 @@ class ExpertClient:
         topo = client.topology
         if topo is None:
             raise RuntimeError("no shard is known yet: call forward once before capturing")
-        m = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-        if (
-            hidden_states.dim() != 2
-            or hidden_states.shape[1] != topo.hidden_size
-            or topk_ids.dim() != 2
-            or topk_ids.shape[0] != m
-            or topk_weights.shape != topk_ids.shape
-            or topk_ids.dtype.is_floating_point
-            or topk_ids.dtype == torch.bool
-            or topk_ids.device != hidden_states.device
-            or topk_weights.device != hidden_states.device
-        ):
+        m = _stream_rows(topo.hidden_size, hidden_states, topk_ids, topk_weights)
+        if m is None:
             raise ValueError(
                 f"a captured call takes hidden_states [M, {topo.hidden_size}] and integer "
                 "topk_ids and topk_weights [M, K], all on one GPU; got "
@@ -305,3 +285,21 @@ class ExpertClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stream_rows(hidden: int, hidden_states, topk_ids, topk_weights) -> int | None:
+    """M for a call a stream can carry (hidden_states [M, hidden], integer topk_ids and
+    topk_weights [M, K], all on its device), else None."""
+    if (
+        hidden_states.dim() != 2
+        or hidden_states.shape[1] != hidden
+        or topk_ids.dim() != 2
+        or topk_ids.shape[0] != hidden_states.shape[0]
+        or topk_weights.shape != topk_ids.shape
+        or topk_ids.dtype.is_floating_point
+        or topk_ids.dtype == torch.bool
+        or topk_ids.device != hidden_states.device
+        or topk_weights.device != hidden_states.device
+    ):
+        return None
+    return hidden_states.shape[0]
