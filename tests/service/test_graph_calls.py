@@ -152,6 +152,9 @@ def test_the_watch_records_refusals_and_releases_late_or_orphaned_replays(bank):
                 calls.raise_error()
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert slot.lease.closed
+            while slot.ctl.answered_ns < slot.ctl.seen_ns:  # the slowed call ends before the server
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.01)
         finally:
             calls.close()
             plane.close()
@@ -176,3 +179,49 @@ def test_the_watch_records_refusals_and_releases_late_or_orphaned_replays(bank):
     finally:
         calls.close()
         plane.close()
+
+
+def test_settle_waits_for_the_host_that_answers_after_the_stream_went_on(bank):
+    """On a GPU shard the stream releases a replay as soon as its rows are in place, and
+    the host's NaN/Inf check may refuse it after: `settle` (in synchronize) waits for the
+    host before the watch looks. Emulated here: done_seq stored as a shard's stream
+    stores it, the moment the call is taken, while the host is slowed down."""
+    gen = torch.Generator().manual_seed(7)
+    x = hidden(2, gen)
+    ids, w = routing(2, gen)
+    bad = x.clone()
+    bad[0, 1] = float("nan")
+    calls = GraphCalls()
+    with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
+        plane, kept = _lease(server.address)
+        runner = server.servicer.batcher.runner
+        inner = runner.launch
+
+        def slow_launch(*a, **k):
+            time.sleep(0.3)
+            return inner(*a, **k)
+
+        try:
+            slot = kept[0]
+            _capture(slot, 2, 8)
+            calls.add(slot, Endpoint(server.address, None, None), 0, [0], timeout=10)
+            runner.launch = slow_launch
+            _replay(slot, bad, ids, w, wait=False)
+            t0 = time.monotonic()
+            while slot.ctl.req_seq != 0:  # taken: the shard set it back
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.0005)
+            slot.ctl.done_seq = dp.GRAPH_SEQ  # the "stream" goes on at once
+            calls.check()
+            calls.raise_error()  # nothing yet: the host has not answered
+            calls.settle(5)
+            assert time.monotonic() - t0 >= 0.25
+            calls.check()
+            with pytest.raises(ShardCallError) as info:
+                calls.raise_error()
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "NaN" in str(info.value) or "nan" in str(info.value)
+        finally:
+            runner.launch = inner
+            calls.close()
+            plane.close()
