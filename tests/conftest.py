@@ -8,8 +8,10 @@ folder goes on sys.path whichever import mode pytest runs in."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 if str(Path(__file__).parent) not in sys.path:
@@ -105,3 +107,21 @@ def cluster():
 @pytest.fixture(scope="session")
 def addresses(cluster) -> list[str]:
     return [s.address for s in cluster]
+
+
+@contextlib.contextmanager
+def slowed_launch(server: BackgroundServer, seconds: float):
+    """Within the block every batch `server` launches sleeps `seconds` first (a slow or
+    hung shard); a call already sleeping finishes after the block."""
+    runner = server.servicer.batcher.runner
+    inner = runner.launch
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return inner(*a, **k)
+
+    runner.launch = slow
+    try:
+        yield
+    finally:
+        runner.launch = inner

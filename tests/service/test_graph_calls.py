@@ -13,7 +13,7 @@ import time
 
 import grpc
 import pytest
-from conftest import hidden, routing, shard_config
+from conftest import hidden, routing, shard_config, slowed_launch
 
 from expertd import dataplane as dp
 from expertd.client import ShardCallError
@@ -131,22 +131,14 @@ def test_the_watch_records_refusals_and_releases_late_or_orphaned_replays(bank):
             assert ep.last_timing["batch_tokens"] == 2
 
             # not answered by the deadline: released by the watch, the lease ended
-            runner = server.servicer.batcher.runner
-            inner = runner.launch
-
-            def slow_launch(*a, **k):
-                time.sleep(2.0)
-                return inner(*a, **k)
-
-            runner.launch = slow_launch
-            t0 = time.monotonic()
-            _replay(slot, x, ids, w, wait=False)
-            while slot.ctl.done_seq != dp.GRAPH_SEQ:
-                assert time.monotonic() - t0 < 1.5, "the watch did not release the replay"
-                calls.check()
-                time.sleep(0.01)
-            took = time.monotonic() - t0
-            runner.launch = inner
+            with slowed_launch(server, 2.0):
+                t0 = time.monotonic()
+                _replay(slot, x, ids, w, wait=False)
+                while slot.ctl.done_seq != dp.GRAPH_SEQ:
+                    assert time.monotonic() - t0 < 1.5, "the watch did not release the replay"
+                    calls.check()
+                    time.sleep(0.01)
+                took = time.monotonic() - t0
             assert 0.2 <= took < 1.5, took
             with pytest.raises(ShardCallError) as info:
                 calls.raise_error()
@@ -194,27 +186,20 @@ def test_settle_waits_for_the_host_that_answers_after_the_stream_went_on(bank):
     calls = GraphCalls()
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
         plane, kept = _lease(server.address)
-        runner = server.servicer.batcher.runner
-        inner = runner.launch
-
-        def slow_launch(*a, **k):
-            time.sleep(0.3)
-            return inner(*a, **k)
-
         try:
             slot = kept[0]
             _capture(slot, 2, 8)
             calls.add(slot, Endpoint(server.address, None, None), 0, [0], timeout=10)
-            runner.launch = slow_launch
-            _replay(slot, bad, ids, w, wait=False)
-            t0 = time.monotonic()
-            while slot.ctl.req_seq != 0:  # taken: the shard set it back
-                assert time.monotonic() - t0 < 5
-                time.sleep(0.0005)
-            slot.ctl.done_seq = dp.GRAPH_SEQ  # the "stream" goes on at once
-            calls.check()
-            calls.raise_error()  # nothing yet: the host has not answered
-            calls.settle(5)
+            with slowed_launch(server, 0.3):
+                _replay(slot, bad, ids, w, wait=False)
+                t0 = time.monotonic()
+                while slot.ctl.req_seq != 0:  # taken: the shard set it back
+                    assert time.monotonic() - t0 < 5
+                    time.sleep(0.0005)
+                slot.ctl.done_seq = dp.GRAPH_SEQ  # the "stream" goes on at once
+                calls.check()
+                calls.raise_error()  # nothing yet: the host has not answered
+                calls.settle(5)
             assert time.monotonic() - t0 >= 0.25
             calls.check()
             with pytest.raises(ShardCallError) as info:
@@ -222,6 +207,5 @@ def test_settle_waits_for_the_host_that_answers_after_the_stream_went_on(bank):
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
             assert "NaN" in str(info.value) or "nan" in str(info.value)
         finally:
-            runner.launch = inner
             calls.close()
             plane.close()

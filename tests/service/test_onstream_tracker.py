@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import hidden, routing, shard_config
+from conftest import hidden, routing, shard_config, slowed_launch
 
 from expertd import dataplane as dp
 from expertd.client import ShardCallError
@@ -82,22 +82,14 @@ def test_tracker_finishes_answered_refused_and_late_calls(bank):
             tracker.synchronize(timeout=10)  # nothing left to raise
 
             # not answered by its deadline: failed then, done_seq stored, lease dropped
-            runner = server.servicer.batcher.runner
-            inner = runner.launch
-
-            def slow_launch(*a, **k):
-                time.sleep(2.0)
-                return inner(*a, **k)
-
-            runner.launch = slow_launch
-            slot = plane.acquire()
-            _ring(slot, x, ids, w)
-            t0 = time.monotonic()
-            tracker.add(slot, t0 + 0.2, ep, 0, [0])
-            with pytest.raises(ShardCallError) as info:
-                tracker.synchronize(timeout=10)
-            took = time.monotonic() - t0
-            runner.launch = inner
+            with slowed_launch(server, 2.0):
+                slot = plane.acquire()
+                _ring(slot, x, ids, w)
+                t0 = time.monotonic()
+                tracker.add(slot, t0 + 0.2, ep, 0, [0])
+                with pytest.raises(ShardCallError) as info:
+                    tracker.synchronize(timeout=10)
+                took = time.monotonic() - t0
             assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert 0.2 <= took < 1.5, took  # the shard answers after 2 s
             assert slot.lease.closed and not plane.usable()
