@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from expertd import cudamem
 from expertd.client import ExpertClient
 from expertd.client.hf import load_unquantized_weights, moe_blocks, use_remote_experts
 
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens.numel() / seconds:.1f} tokens/s ({prompts.shape[0]} sequences)")
         print(f"calls per shard: {[s['calls'] for s in stats]}")
         print(f"data plane per shard: {[s['transport'] for s in stats]}")
+        if args.device == "cuda" and not args.servers and cudamem.mps_control_pipe() is None:
+            print(
+                "no MPS daemon: the model and the shards time-slice the GPU, tens of ms a "
+                'layer call (docs/operations.md, "Several processes on one GPU: MPS")'
+            )
     finally:
         if shards:
             stop_shards(shards)

@@ -340,7 +340,8 @@ def gpu_sharing_line() -> str:
     return (
         "GPU sharing: no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY or /tmp/nvidia-mps): "
         "processes sharing this GPU (a frontend, other shards) are time-sliced, 0.1-0.3 ms "
-        'a call (docs/operations.md, "Several processes on one GPU")'
+        "a call between two of them, tens of ms among three "
+        '(docs/operations.md, "Several processes on one GPU")'
     )
 
 
