@@ -8,6 +8,7 @@ folder goes on sys.path whichever import mode pytest runs in."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
@@ -17,12 +18,16 @@ from pathlib import Path
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
+import grpc
 import pytest
 import torch
 
+from expertd.client.channels import ExpertStub
+from expertd.client.shm import ShmChannel
 from expertd.server.app import BackgroundServer
 from expertd.server.config import ServerConfig
 from expertd.server.synthetic import get_preset, synthetic_layer
+from expertd.v1 import expertd_pb2 as pb
 
 # EXPERTD_TEST_TRANSPORT=shm (or grpc, ...) runs every test's client on that transport
 # unless the test names one: a test-only switch, the product reads no such variable.
@@ -125,3 +130,20 @@ def slowed_launch(server: BackgroundServer, seconds: float):
         yield
     finally:
         runner.launch = inner
+
+
+def lease_shm_slots(address: str, plain: int = 2, kept: int = 0):
+    """A client's shm slots with the server at `address`, leased as the client leases
+    them -> (the channel, the slots kept for captured calls: `kept` of them, held)."""
+
+    async def lease():
+        ch = grpc.aio.insecure_channel(address)
+        stub = ExpertStub(ch)
+        info = await stub.Describe(pb.DescribeRequest(), timeout=10)
+        plane = ShmChannel(address, info.instance_id)
+        await plane.grow(stub, (), plain, 10)
+        slots = await plane.grow(stub, (), kept, 10, keep=True) if kept else []
+        await ch.close()
+        return plane, slots
+
+    return asyncio.run(lease())

@@ -8,23 +8,20 @@ copies, stores and waits) is tests/gpu/test_cuda_graph_calls.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 import pytest
-from conftest import hidden, routing, shard_config, slowed_launch
+from conftest import hidden, lease_shm_slots, routing, shard_config, slowed_launch
 
 from expertd import dataplane as dp
 from expertd.client import ShardCallError
-from expertd.client.channels import ExpertStub
 from expertd.client.core import bf16_bits
 from expertd.client.onstream import GraphCalls
 from expertd.client.replicas import Endpoint
 from expertd.client.shm import ShmChannel, fill_rows
 from expertd.server.app import BackgroundServer
 from expertd.server.bank import ExpertBank
-from expertd.v1 import expertd_pb2 as pb
 
 pytestmark = pytest.mark.skipif(not dp.available(), reason="needs Linux memfd, futex, fd passing")
 
@@ -34,22 +31,6 @@ import torch  # noqa: E402  (after the skip: the module needs nothing else from 
 @pytest.fixture(scope="module")
 def bank():
     return ExpertBank.load(shard_config(0, num_shards=1), progress=lambda _m: None)
-
-
-def _lease(address: str) -> tuple[ShmChannel, list]:
-    """Two plain slots and two kept ones (as `graph_slots=2` keeps them)."""
-
-    async def lease():
-        ch = grpc.aio.insecure_channel(address)
-        stub = ExpertStub(ch)
-        info = await stub.Describe(pb.DescribeRequest(), timeout=10)
-        plane = ShmChannel(address, info.instance_id)
-        await plane.grow(stub, (), 2, 10)
-        kept = await plane.grow(stub, (), 2, 10, keep=True)
-        await ch.close()
-        return plane, kept
-
-    return asyncio.run(lease())
 
 
 def _capture(slot, m: int, k: int, timeout: float = 10.0) -> None:
@@ -87,7 +68,7 @@ def _plain(plane: ShmChannel, x, ids, w) -> torch.Tensor:
 def test_every_replay_is_taken_and_answered_as_a_plain_call(bank):
     gen = torch.Generator().manual_seed(5)
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
-        plane, kept = _lease(server.address)
+        plane, kept = lease_shm_slots(server.address, kept=2)
         try:
             slot = kept[0]
             assert slot.held and plane.acquire() is not kept[0]
@@ -109,7 +90,7 @@ def test_the_watch_records_refusals_and_releases_late_or_orphaned_replays(bank):
     ids, w = routing(2, gen)
     calls = GraphCalls()
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
-        plane, kept = _lease(server.address)
+        plane, kept = lease_shm_slots(server.address, kept=2)
         ep = Endpoint(server.address, None, None)
         try:
             slot = kept[0]
@@ -153,7 +134,7 @@ def test_the_watch_records_refusals_and_releases_late_or_orphaned_replays(bank):
 
     # the shard gone: a replay of its other kept slot is released as UNAVAILABLE
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
-        plane, kept = _lease(server.address)
+        plane, kept = lease_shm_slots(server.address, kept=2)
     calls = GraphCalls()
     try:
         slot = kept[1]
@@ -185,7 +166,7 @@ def test_settle_waits_for_the_host_that_answers_after_the_stream_went_on(bank):
     bad[0, 1] = float("nan")
     calls = GraphCalls()
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
-        plane, kept = _lease(server.address)
+        plane, kept = lease_shm_slots(server.address, kept=2)
         try:
             slot = kept[0]
             _capture(slot, 2, 8)

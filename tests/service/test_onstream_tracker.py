@@ -8,24 +8,20 @@ tests/gpu/test_cuda_onstream.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 import pytest
 import torch
-from conftest import hidden, routing, shard_config, slowed_launch
+from conftest import hidden, lease_shm_slots, routing, shard_config, slowed_launch
 
 from expertd import dataplane as dp
 from expertd.client import ShardCallError
-from expertd.client.channels import ExpertStub
 from expertd.client.core import bf16_bits
 from expertd.client.onstream import Tracker
 from expertd.client.replicas import Endpoint
-from expertd.client.shm import ShmChannel
 from expertd.server.app import BackgroundServer
 from expertd.server.bank import ExpertBank
-from expertd.v1 import expertd_pb2 as pb
 
 pytestmark = pytest.mark.skipif(not dp.available(), reason="needs Linux memfd, futex, fd passing")
 
@@ -33,19 +29,6 @@ pytestmark = pytest.mark.skipif(not dp.available(), reason="needs Linux memfd, f
 @pytest.fixture(scope="module")
 def bank():
     return ExpertBank.load(shard_config(0, num_shards=1), progress=lambda _m: None)
-
-
-def _lease(address: str) -> ShmChannel:
-    async def lease():
-        ch = grpc.aio.insecure_channel(address)
-        stub = ExpertStub(ch)
-        info = await stub.Describe(pb.DescribeRequest(), timeout=10)
-        plane = ShmChannel(address, info.instance_id)
-        await plane.grow(stub, (), 2, 10)
-        await ch.close()
-        return plane
-
-    return asyncio.run(lease())
 
 
 def _ring(slot, x, ids, w, timeout: float = 10.0) -> None:
@@ -57,7 +40,7 @@ def test_tracker_finishes_answered_refused_and_late_calls(bank):
     x = hidden(3, gen)
     ids, w = routing(3, gen)
     with BackgroundServer(shard_config(0, num_shards=1), bank=bank) as server:
-        plane = _lease(server.address)
+        plane, _ = lease_shm_slots(server.address)
         ep = Endpoint(server.address, None, None)
         tracker = Tracker()
         try:
