@@ -4,9 +4,11 @@ process, and a graceful SIGTERM while calls are in flight."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,6 +16,7 @@ import pytest
 import torch
 from conftest import hidden, routing
 from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from expertd import wire
 from expertd.kernels import reference_forward, relative_error
@@ -106,8 +109,36 @@ def _forward_request(m: int, seed: int) -> pb.ForwardRequest:
     )
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inflight(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "expertd_inflight_requests"
+    )
+
+
 def test_sigterm_finishes_calls_in_flight(checkpoint):
-    shard = start_shard(["--checkpoint", str(checkpoint), "--torch-threads", "1", "--grace", "60"])
+    metrics = _free_port()
+    shard = start_shard(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--torch-threads",
+            "1",
+            "--grace",
+            "60",
+            "--metrics-port",
+            str(metrics),
+        ]
+    )
     wait_serving([shard], timeout=120)
     req = _forward_request(2048, seed=1)
     with grpc.insecure_channel(
@@ -115,7 +146,12 @@ def test_sigterm_finishes_calls_in_flight(checkpoint):
     ) as ch:
         stub = pb_grpc.ExpertServiceStub(ch)
         calls = [stub.Forward.future(req, timeout=120) for _ in range(6)]
-        calls[0].result()  # the first is done, so the other five are queued or running
+        # In flight = received by the server: a request still uploading when the signal
+        # comes is a new call, refused while draining. Wait until all six arrived.
+        deadline = time.monotonic() + 60
+        while _inflight(metrics) + sum(c.done() for c in calls) < 6:
+            assert time.monotonic() < deadline, "the six calls never all reached the server"
+            time.sleep(0.01)
         shard.process.send_signal(signal.SIGTERM)
         results = [c.result() for c in calls]  # each one completes despite the signal
     assert shard.process.wait(timeout=60) == 0
