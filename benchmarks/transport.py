@@ -229,17 +229,26 @@ def doorbell_us(reps: int, spin_s: float) -> list[float]:
     return times
 
 
-def _nixl_peer(md_q, back_q, nbytes: int, reply: int, netns: str | None) -> None:
-    """The echo's far end: on each notification, WRITE `reply` bytes back with one."""
+def _echo_buffer(nbytes: int, on_gpu: bool):
+    """-> (buffer, its address, device id, NIXL memory kind): host or GPU memory."""
+    if on_gpu:
+        buf = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        return buf, buf.data_ptr(), buf.device.index or 0, nixl.DEVICE
     import numpy as np
 
+    buf = np.ones(nbytes, np.uint8)
+    return buf, buf.ctypes.data, 0, nixl.HOST
+
+
+def _nixl_peer(md_q, back_q, nbytes: int, reply: int, netns: str | None, on_gpu: bool) -> None:
+    """The echo's far end: on each notification, WRITE `reply` bytes back with one."""
     if netns is not None:
         enter(netns)
     agent = nixl.make_agent("echo")
-    buf = np.zeros(max(nbytes, reply, 1), np.uint8)
-    agent.register_memory([(buf.ctypes.data, buf.size, 0, "")], nixl.HOST)
-    md_q.put((agent.get_agent_metadata(), buf.ctypes.data))
-    peer_md, peer_addr = back_q.get()
+    _buf, addr, dev, kind = _echo_buffer(max(nbytes, reply, 1), on_gpu)
+    agent.register_memory([(addr, max(nbytes, reply, 1), dev, "")], kind)
+    md_q.put((agent.get_agent_metadata(), addr, dev))
+    peer_md, peer_addr, peer_dev = back_q.get()
     peer = agent.add_remote_agent(peer_md)
     while True:
         for _name, msgs in agent.get_new_notifs().items():
@@ -247,8 +256,8 @@ def _nixl_peer(md_q, back_q, nbytes: int, reply: int, netns: str | None) -> None
                 if msg == b"stop":
                     return
                 if reply:
-                    local = agent.get_xfer_descs([(buf.ctypes.data, reply, 0)], nixl.HOST)
-                    remote = agent.get_xfer_descs([(peer_addr, reply, 0)], nixl.HOST)
+                    local = agent.get_xfer_descs([(addr, reply, dev)], kind)
+                    remote = agent.get_xfer_descs([(peer_addr, reply, peer_dev)], kind)
                     h = agent.initialize_xfer("WRITE", local, remote, peer, b"r")
                     agent.transfer(h)
                     while agent.check_xfer_state(h) == "PROC":
@@ -258,29 +267,32 @@ def _nixl_peer(md_q, back_q, nbytes: int, reply: int, netns: str | None) -> None
                     agent.send_notif(peer, b"r")
 
 
-def nixl_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> list[float]:
+def nixl_echo_us(
+    request: int, reply: int, reps: int, far: Far | None = None, on_gpu: bool = False
+) -> list[float]:
     """NIXL WRITE of `request` bytes with a notification, answered by a WRITE of
-    `reply` bytes with one (two processes, host memory, busy polling on both ends)."""
-    import numpy as np
-
+    `reply` bytes with one (two processes, busy polling on both ends; host memory, or
+    GPU memory at both ends with `on_gpu`)."""
     ctx = mp.get_context("spawn")
     md_q, back_q = ctx.Queue(), ctx.Queue()
     netns = None if far is None else far.name
-    proc = ctx.Process(target=_nixl_peer, args=(md_q, back_q, request, reply, netns), daemon=True)
+    proc = ctx.Process(
+        target=_nixl_peer, args=(md_q, back_q, request, reply, netns, on_gpu), daemon=True
+    )
     proc.start()
     agent = nixl.make_agent("bench")
-    buf = np.ones(max(request, reply, 1), np.uint8)
-    agent.register_memory([(buf.ctypes.data, buf.size, 0, "")], nixl.HOST)
-    peer_md, peer_addr = md_q.get(timeout=120)
-    back_q.put((agent.get_agent_metadata(), buf.ctypes.data))
+    _buf, addr, dev, kind = _echo_buffer(max(request, reply, 1), on_gpu)
+    agent.register_memory([(addr, max(request, reply, 1), dev, "")], kind)
+    peer_md, peer_addr, peer_dev = md_q.get(timeout=120)
+    back_q.put((agent.get_agent_metadata(), addr, dev))
     peer = agent.add_remote_agent(peer_md)
     times = []
     try:
         for i in range(reps + 10):
             t0 = time.perf_counter()
             if request:
-                local = agent.get_xfer_descs([(buf.ctypes.data, request, 0)], nixl.HOST)
-                remote = agent.get_xfer_descs([(peer_addr, request, 0)], nixl.HOST)
+                local = agent.get_xfer_descs([(addr, request, dev)], kind)
+                remote = agent.get_xfer_descs([(peer_addr, request, peer_dev)], kind)
                 h = agent.initialize_xfer("WRITE", local, remote, peer, b"c")
                 agent.transfer(h)
             else:
@@ -632,6 +644,10 @@ def run(args, far: Far | None) -> int:
         echo = grpc_echo_us(out_b, back_b, args.reps, far)
         d2d = d2d_us(out_b + back_b, args.reps)
         nixl_echo = nixl_echo_us(out_b, back_b, args.reps, far) if with_nixl else []
+        # a GPU caller's NIXL slots are device memory at both ends: that echo too
+        gpu_echo = []
+        if with_nixl and args.device == "cuda" and "nixl" in transports:
+            gpu_echo = nixl_echo_us(out_b, back_b, args.reps, far, on_gpu=True)
         floors.append(
             {
                 "M": m,
@@ -642,6 +658,7 @@ def run(args, far: Far | None) -> int:
                 "shm_doorbell_p50_us": pct(bell, 0.5),
                 "nixl_echo_p50_us": pct(nixl_echo, 0.5) if nixl_echo else None,
                 "nixl_echo_p99_us": pct(nixl_echo, 0.99) if nixl_echo else None,
+                "nixl_gpu_echo_p50_us": pct(gpu_echo, 0.5) if gpu_echo else None,
                 "d2d_copy_p50_us": pct(d2d, 0.5) if d2d else None,
             }
         )
@@ -740,15 +757,17 @@ def print_table(result: dict) -> None:
     print(
         f"\nfloors ({result['kind']}, {result['cpus']} CPUs, {result['python']}{where}), p50 us:"
         f"\n{'M':>6} {'TCP echo':>9} {'grpc echo':>10} {'doorbell':>9} {'nixl echo':>10} "
-        f"{'d2d':>7}"
+        f"{'d2d':>7} {'nixl gpu':>9}"
     )
     for f in result["floors"]:
         d2d = f"{f['d2d_copy_p50_us']:7.1f}" if f["d2d_copy_p50_us"] is not None else "      -"
         ne = f.get("nixl_echo_p50_us")
         ne = f"{ne:10.0f}" if ne is not None else "         -"
+        ng = f.get("nixl_gpu_echo_p50_us")
+        ng = f"{ng:9.0f}" if ng is not None else "        -"
         print(
             f"{f['M']:>6} {f['tcp_echo_p50_us']:9.0f} {f['grpc_stream_echo_p50_us']:10.0f} "
-            f"{f['shm_doorbell_p50_us']:9.1f} {ne} {d2d}"
+            f"{f['shm_doorbell_p50_us']:9.1f} {ne} {d2d} {ng}"
         )
     tcp = {f["M"]: f["tcp_echo_p50_us"] for f in result["floors"]}
     print(

@@ -258,9 +258,16 @@ class AsyncExpertClient:
             elif owner.stuck:
                 whys.append(owner.stuck)
             else:
-                ch = nixl_client.NixlChannel(owner, ep.address, ep.info)
-                if await self._lease(ep, ch, timeout, whys):
-                    return ch
+                # GPU memory at both ends when this process works on a GPU and the shard
+                # serves from one (UCX moves it GPU to GPU); host memory otherwise, or
+                # when the shard would not register device slots
+                devices = [None]
+                if ep.info.device.startswith("cuda") and cudaipc.usable()[0]:
+                    devices.insert(0, torch.device("cuda", torch.cuda.current_device()))
+                for device in devices:
+                    ch = nixl_client.NixlChannel(owner, ep.address, ep.info, device)
+                    if await self._lease(ep, ch, timeout, whys):
+                        return ch
         if self._tcp:
             if rawtcp.TCP not in offered:
                 whys.append("the replica offers no tcp data plane")
@@ -328,7 +335,7 @@ class AsyncExpertClient:
         tokens = None if part.tokens.numel() == m else part.tokens.numpy()
         slot.start(
             layer,
-            inputs.on_device if isinstance(slot, CudaIpcSlot) else bf16_bits(inputs.x),
+            inputs.on_device if getattr(slot, "on_device", False) else bf16_bits(inputs.x),
             tokens,
             part.topk_ids.numpy(),
             part.topk_weights.numpy(),
@@ -397,6 +404,12 @@ class AsyncExpertClient:
                     slot.start(layer, inputs.on_device, tokens, ids, w, remaining, False, False)
                     later.append(slot)
                     continue
+                if getattr(slot, "on_device", False):  # a NIXL slot on this GPU
+                    try:
+                        slot.start(layer, inputs.on_device, tokens, ids, w, remaining, False)
+                    except StreamCallError:
+                        raise Fallback from None
+                    continue
                 if x_bits is None:
                     x_bits = bf16_bits(inputs.x)
                 if isinstance(slot, ShmSlot):  # rung below, once every slot is written: a
@@ -444,7 +457,7 @@ class AsyncExpertClient:
                 for piece in pieces:
                     sums.stage(piece)
                 slot = held[0][2] if len(held) == 1 else None
-                done = slot.read_done if isinstance(slot, CudaIpcSlot) else None
+                done = getattr(slot, "read_done", None)
                 out = sums.finish(pieces, done)
                 if sums.queued:  # summed on the caller's stream: the slot's next ring waits
                     slot.reading = True

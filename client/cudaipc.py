@@ -30,13 +30,31 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
 
 
-def _stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per GPU for the slots' gathers."""
     with _STREAMS_LOCK:
         stream = _STREAMS.get(device)
         if stream is None:
             stream = _STREAMS[device] = torch.cuda.Stream(device)
         return stream
+
+
+def gather_rows(stream: torch.cuda.Stream, dst: torch.Tensor, x: torch.Tensor, tokens) -> None:
+    """Queue on `stream` the copy of x's rows `tokens` (None: all, in order) into `dst`
+    (bf16 [m, H] on a GPU). x: the caller's bf16 [M, H] on any device, complete
+    (client/core.stage_inputs waited for the caller's stream)."""
+    with on_stream(stream):
+        if tokens is None:
+            dst.copy_(x, non_blocking=True)
+        else:
+            # page-locked, so the copy queues on the stream instead of the host
+            # waiting for it (a pageable copy returns once it is done)
+            host_rows = torch.from_numpy(np.ascontiguousarray(tokens)).pin_memory()
+            rows = host_rows.to(x.device, non_blocking=True)
+            if x.device == dst.device:
+                torch.index_select(x, 0, rows, out=dst)
+            else:
+                dst.copy_(x.index_select(0, rows), non_blocking=True)
 
 
 def usable() -> tuple[bool, str]:
@@ -54,6 +72,8 @@ class CudaIpcSlot(Slot):
     """One cuda-ipc slot: the shm slot's control block, ids and weights on the host,
     x and out in the shard's GPU memory."""
 
+    on_device = True  # start() takes the caller's tensor; result() is a GPU tensor
+
     def __init__(self, lease, index: int, fd: int, layout: dp.Layout, mem: ImportedBuffer):
         super().__init__(lease, index, fd, layout)
         self.mem = mem
@@ -63,7 +83,7 @@ class CudaIpcSlot(Slot):
         self.x_dev = t[:n].view(torch.bfloat16).view(mmax, h)
         off = layout.device_out_offset
         self.out_dev = t[off : off + n].view(torch.bfloat16).view(mmax, h)
-        self.stream = _stream(t.device)
+        self.stream = side_stream(t.device)
         # A caller's stream may still be summing the last answer out of the out region
         # (devsum.DeviceSum.finish with `done`): the next call's ring waits for it.
         self.read_done = torch.cuda.Event()
@@ -144,20 +164,7 @@ class CudaIpcSlot(Slot):
             self.stream.wait_event(self.read_done)
             self.reading = False
         if m:
-            dst = self.x_dev[:m]
-            with on_stream(self.stream):
-                # x is complete: stage_inputs waited for the caller's stream
-                if tokens is None:
-                    dst.copy_(x, non_blocking=True)
-                else:
-                    # page-locked, so the copy queues on the stream instead of the
-                    # host waiting for it (a pageable copy returns once it is done)
-                    host_rows = torch.from_numpy(np.ascontiguousarray(tokens)).pin_memory()
-                    rows = host_rows.to(x.device, non_blocking=True)
-                    if x.device == dst.device:
-                        torch.index_select(x, 0, rows, out=dst)
-                    else:
-                        dst.copy_(x.index_select(0, rows), non_blocking=True)
+            gather_rows(self.stream, self.x_dev[:m], x, tokens)
             self.ids[: m * k] = ids.reshape(-1)
             self.w[: m * k] = w.reshape(-1)
         ctl = self.ctl

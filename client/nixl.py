@@ -126,20 +126,28 @@ class ClientAgent:
         with self._lock:
             if self.leases.get(lease.peer) is lease:
                 del self.leases[lease.peer]
+        # a device slot's memory is torch's: it goes back to the caching allocator only
+        # once NIXL no longer has it registered (the thread holds the last references)
+        mems = [slot.mem for slot in lease.slots if slot.mem is not None]
         threading.Thread(
             target=self._release,
-            args=(lease.peer, lease.reg),
+            args=(lease.peer, lease.reg, mems),
             name="expertd-nixl-drop",
             daemon=True,
         ).start()
 
-    def _release(self, peer: str, reg) -> None:
+    def _release(self, peer: str, reg, mems=()) -> None:
         if peer:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(peer)
         if reg is not None:
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(reg)
+        if mems:  # an answer's sum may still read a slot on a stream of the caller's
+            with contextlib.suppress(Exception):
+                import torch
+
+                torch.cuda.synchronize(mems[0].device)
 
     def close(self) -> None:
         # with a connection attempt holding the agent the thread cannot end yet: no wait
@@ -147,20 +155,59 @@ class ClientAgent:
 
 
 class NixlSlot:
-    """One slot: this client's registered memory and the shard's region for it."""
+    """One slot: this client's registered memory and the shard's region for it.
 
-    def __init__(self, lease: NixlLease, index: int, layout: dp.Layout, buf: np.ndarray) -> None:
+    Host slots (`buf`, DRAM): the rows are gathered and the answer read on the host.
+    Device slots (`mem`, VRAM, a caller on a GPU and a GPU shard): the slot is one
+    buffer on this client's GPU laid out as a host slot; the rows are gathered into it
+    on the GPU and the answer is a bf16 [rows, H] view of its out region there, summed
+    on the caller's GPU (client/devsum.py) as a cuda-ipc answer is. UCX moves the
+    bytes between the two GPUs' memories (CUDA IPC on one host, GPUDirect RDMA across
+    hosts where the NIC offers it)."""
+
+    def __init__(self, lease: NixlLease, index: int, layout: dp.Layout, buf=None, mem=None):
         self.lease = lease
         self.index = index
         self.layout = layout
         self.buf = buf
-        self.addr = buf.ctypes.data
-        self.remote_addr = 0
+        self.mem = mem
+        self.on_device = mem is not None  # start() takes the caller's tensor
         h, k, mmax = layout.hidden, layout.top_k, layout.max_tokens
-        self.x = buf[layout.x_offset : layout.x_offset + 2 * mmax * h].view(np.uint16)
-        self.ids = buf[layout.ids_offset : layout.ids_offset + 4 * mmax * k].view(np.int32)
-        self.w = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(np.float32)
-        self.out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h].view(np.uint16)
+        x_span = slice(layout.x_offset, layout.x_offset + 2 * mmax * h)
+        ids_span = slice(layout.ids_offset, layout.ids_offset + 4 * mmax * k)
+        w_span = slice(layout.weights_offset, layout.weights_offset + 4 * mmax * k)
+        out_span = slice(layout.out_offset, layout.out_offset + 2 * mmax * h)
+        if mem is None:
+            self.addr = buf.ctypes.data
+            self.device_id = 0
+            self.memory = nixl.HOST
+            self.x = buf[x_span].view(np.uint16)
+            self.ids = buf[ids_span].view(np.int32)
+            self.w = buf[w_span].view(np.float32)
+            self.out = buf[out_span].view(np.uint16)
+        else:
+            import torch
+
+            from expertd.client.cudaipc import side_stream
+
+            t = mem  # uint8 [byte_size] on this client's GPU
+            self.addr = t.data_ptr()
+            self.device_id = t.device.index or 0
+            self.memory = nixl.DEVICE
+            self.x_dev = t[x_span].view(torch.bfloat16).view(mmax, h)
+            self.ids_dev = t[ids_span].view(torch.int32)
+            self.w_dev = t[w_span].view(torch.float32)
+            self.out_dev = t[out_span].view(torch.bfloat16).view(mmax, h)
+            # the routes go up from page-locked memory: their copies queue on the stream
+            self.ids_pin = torch.empty(mmax * k, dtype=torch.int32).pin_memory()
+            self.w_pin = torch.empty(mmax * k, dtype=torch.float32).pin_memory()
+            self.stream = side_stream(t.device)
+            # the caller's stream may still be summing the last answer out of the out
+            # region (devsum.DeviceSum.finish with `done`): the next call waits for it
+            self.read_done = torch.cuda.Event()
+            self.reading = False
+        self.remote_addr = 0
+        self.remote_device = 0
         self.seq = 0
         self.rows = 0
         self.channel: NixlChannel | None = None
@@ -182,8 +229,11 @@ class NixlSlot:
     def start(
         self, layer, x_bits: np.ndarray, tokens, ids, w, timeout: float, notify, trace=NO_TRACE
     ):
-        """Write one call's rows and send them with the call (see shm.Slot.start)."""
-        m = fill_rows(self, x_bits, tokens, ids, w)
+        """Write one call's rows and send them with the call (see shm.Slot.start).
+        x_bits: uint16 [M, H] host bits, or for a device slot the caller's bf16 tensor."""
+        m = self._gather(x_bits, tokens, ids, w) if self.on_device else None
+        if m is None:
+            m = fill_rows(self, x_bits, tokens, ids, w)
         k, lay, h = ids.shape[1], self.layout, self.layout.hidden
         self.rows = m
         self.seq = (self.seq + 1) & 0xFFFFFFFF
@@ -202,9 +252,12 @@ class NixlSlot:
                     (lay.ids_offset, 4 * m * k),
                     (lay.weights_offset, 4 * m * k),
                 ]
-                local = agent.get_xfer_descs([(self.addr + o, n, 0) for o, n in spans], nixl.HOST)
+                local = agent.get_xfer_descs(
+                    [(self.addr + o, n, self.device_id) for o, n in spans], self.memory
+                )
                 remote = agent.get_xfer_descs(
-                    [(self.remote_addr + o, n, 0) for o, n in spans], nixl.HOST
+                    [(self.remote_addr + o, n, self.remote_device) for o, n in spans],
+                    self.memory,
                 )
                 seq = self.seq
                 lease.owner.progress.post(
@@ -216,6 +269,32 @@ class NixlSlot:
             self.pending = False
             lease.ended(f"NIXL transfer failed ({e})")
             raise lease.error() from None
+
+    def _gather(self, x, tokens, ids, w) -> int:
+        """A device slot's rows and routes into its GPU buffer; returns once they are
+        there (NIXL reads the memory as it is, after no stream) -> m."""
+        from expertd.client.cudaipc import gather_rows
+        from expertd.cudamem import on_stream
+
+        m, k = ids.shape
+        lay = self.layout
+        if m > lay.max_tokens or (m and k > lay.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
+            )
+        if self.reading:  # the shard overwrites out once called: after the last sum read it
+            self.stream.wait_event(self.read_done)
+            self.reading = False
+        if m:
+            n = m * k
+            gather_rows(self.stream, self.x_dev[:m], x, tokens)
+            self.ids_pin[:n].numpy()[:] = ids.reshape(-1)
+            self.w_pin[:n].numpy()[:] = w.reshape(-1)
+            with on_stream(self.stream):
+                self.ids_dev[:n].copy_(self.ids_pin[:n], non_blocking=True)
+                self.w_dev[:n].copy_(self.w_pin[:n], non_blocking=True)
+            self.stream.synchronize()
+        return m
 
     def _sent(self, seq: int, state: str) -> None:
         """The WRITE's end (progress thread): an error fails the lease's calls."""
@@ -259,6 +338,8 @@ class NixlSlot:
             raise StreamCallError(
                 grpc.StatusCode.INTERNAL, f"shard answered {rows} rows, expected {self.rows}"
             )
+        if self.on_device:
+            return self.out_dev[:rows]
         h = self.layout.hidden
         return self.out[: rows * h].reshape(rows, h)
 
@@ -348,9 +429,13 @@ class NixlChannel(SlotPool):
 
     name = nixl.NIXL
 
-    def __init__(self, owner: ClientAgent, address: str, info) -> None:
+    def __init__(self, owner: ClientAgent, address: str, info, device=None) -> None:
+        """device: a torch.device of this client's GPU for device (VRAM) slots, or
+        None for host ones."""
         self.owner = owner
         self.address = address
+        self.device = device
+        self.on_device = device is not None
         self.instance_id = info.instance_id
         self.layout = dp.Layout(
             info.max_tokens_per_request, info.top_k or DEFAULT_TOP_K, info.hidden_size
@@ -369,12 +454,18 @@ class NixlChannel(SlotPool):
         lay = self.layout
         owner = self.owner
         lease = NixlLease(owner, self.instance_id)
-        bufs = [dp.host_buffer(lay.byte_size) for _ in range(slots)]
-        for i, buf in enumerate(bufs):
-            lease.slots.append(NixlSlot(lease, i, lay, buf))
+        memory = nixl.DEVICE if self.on_device else nixl.HOST
         try:
+            for i in range(slots):
+                if self.on_device:  # freed once deregistered (ClientAgent._release)
+                    import torch
+
+                    mem = torch.empty(lay.byte_size, dtype=torch.uint8, device=self.device)
+                    lease.slots.append(NixlSlot(lease, i, lay, mem=mem))
+                else:
+                    lease.slots.append(NixlSlot(lease, i, lay, buf=dp.host_buffer(lay.byte_size)))
             lease.reg = owner.agent.register_memory(
-                [(b.ctypes.data, lay.byte_size, 0, "") for b in bufs], nixl.HOST
+                [(s.addr, lay.byte_size, s.device_id, "") for s in lease.slots], memory
             )
         except Exception as e:
             raise LeaseError(f"slot memory could not be registered with NIXL ({e})") from None
@@ -390,7 +481,12 @@ class NixlChannel(SlotPool):
                 # read after registering: the shard finds these regions in it
                 agent_metadata=owner.agent.get_agent_metadata(),
                 regions=[
-                    pb.NixlRegion(address=s.addr, byte_size=lay.byte_size, memory=nixl.HOST)
+                    pb.NixlRegion(
+                        address=s.addr,
+                        byte_size=lay.byte_size,
+                        device_id=s.device_id,
+                        memory=memory,
+                    )
                     for s in lease.slots
                 ],
             ),
@@ -415,9 +511,10 @@ class NixlChannel(SlotPool):
             if theirs != lay or len(reply.nixl.regions) != slots:
                 raise LeaseError("the shard answered another slot layout")
             for slot, region in zip(lease.slots, reply.nixl.regions, strict=True):
-                if region.byte_size < lay.byte_size or region.memory != nixl.HOST:
+                if region.byte_size < lay.byte_size or region.memory != memory:
                     raise LeaseError("the shard's slot regions do not fit the layout")
                 slot.remote_addr = region.address
+                slot.remote_device = region.device_id
             lease.peer = await owner.connect(reply.nixl.agent_metadata, timeout)
             lease.lease_id = reply.lease_id
             owner.add(lease)

@@ -123,6 +123,14 @@ class Pool:
                 "transport": ep.dataplane.name if ep.dataplane is not None else "grpc",
                 "transport_why": ep.dataplane_why,
                 "slots": ep.dataplane.size if ep.dataplane is not None else 0,
+                # where the slots' rows live: "device" (cuda-ipc, NIXL on GPU memory)
+                "slot_memory": (
+                    ""
+                    if ep.dataplane is None
+                    else "device"
+                    if getattr(ep.dataplane, "on_device", False)
+                    else "host"
+                ),
                 "last_timing": _timing_dict(ep.last_timing),
             }
             for a, ep in self.endpoints.items()

@@ -34,6 +34,7 @@ log = logging.getLogger("expertd.nixl")
 NIXL = "nixl"
 MODULE = "nixl_cu13"
 HOST = "DRAM"
+DEVICE = "VRAM"  # GPU memory: regions carry their GPU's index (device_id)
 
 CALL = b"C"
 ANSWER = b"A"

@@ -34,41 +34,103 @@ import torch
 
 from expertd import dataplane as dp
 from expertd import nixl
+from expertd.cudamem import copy_into
 from expertd.server.validate import RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
 log = logging.getLogger("expertd.server")
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _down_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that takes device slots' routes down to the host (one per GPU; the
+    progress thread's)."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 MAX_SLOTS_PER_LEASE = 16
 
 
 class RemoteSlot:
-    """One slot: this shard's registered memory and the client's region for it."""
+    """One slot: this shard's registered memory and the client's region for it.
 
-    def __init__(self, lease: RemoteLease, index: int, layout: dp.Layout, peer_region) -> None:
+    Host slots (DRAM): x, ids and weights are read where the client wrote them.
+    Device slots (VRAM, a GPU shard and a client whose regions are on its GPU): the
+    slot is one buffer on this shard's GPU laid out as a host slot; the runner reads
+    x there and writes the partial into its out region (as for a cuda-ipc slot), and
+    ids and weights come down to the host for the checks."""
+
+    def __init__(
+        self, lease: RemoteLease, index: int, layout: dp.Layout, peer_region, device=None
+    ) -> None:
         self.lease = lease
         self.index = index
         self.layout = layout
-        self.buf = dp.host_buffer(layout.byte_size)  # pages appear once written
-        self.addr = self.buf.ctypes.data
+        self.device = device
+        if device is None:
+            self.buf = dp.host_buffer(layout.byte_size)  # pages appear once written
+            self.addr = self.buf.ctypes.data
+            self.device_id = 0
+            self.memory = nixl.HOST
+        else:
+            # torch's memory: it goes back to the caching allocator only after
+            # RemoteRegistry.release has deregistered it (the lease holds it until then)
+            self.buf = torch.empty(layout.byte_size, dtype=torch.uint8, device=device)
+            self.addr = self.buf.data_ptr()
+            self.device_id = device.index or 0
+            self.memory = nixl.DEVICE
+            n = layout.max_tokens * layout.top_k
+            self._ids = torch.empty(n, dtype=torch.int32).pin_memory()
+            self._w = torch.empty(n, dtype=torch.float32).pin_memory()
         self.peer_addr = peer_region.address
         self.peer_device = peer_region.device_id
         self.lock = threading.Lock()
         self.busy = False
         self.seq = 0
 
+    @property
+    def direct(self) -> bool:
+        """The runner copies a device slot's rows in and out itself (server/batcher.py)."""
+        return self.device is not None
+
+    def device_out(self, m: int) -> torch.Tensor | None:
+        """Where the runner puts the call's m output rows (bf16 [m, H]): a device slot's
+        out region; None for a host slot (the rows come through `write_output`)."""
+        if self.device is None:
+            return None
+        off, h = self.layout.out_offset, self.layout.hidden
+        return self.buf[off : off + 2 * m * h].view(torch.bfloat16).view(m, h)
+
+    def stream_bell(self) -> None:
+        """No call of this transport waits on a CUDA stream of its client."""
+        return None
+
     def inputs(self, m: int, k: int, hidden: int):
+        """The call's x (a view of the slot: host or device), ids and weights (host
+        tensors; on a device slot, copies taken down from it)."""
         lay = self.layout
         if m == 0:
             return (
-                torch.empty((0, hidden), dtype=torch.bfloat16),
+                torch.empty((0, hidden), dtype=torch.bfloat16, device=self.device or "cpu"),
                 torch.empty((0, max(k, 1)), dtype=torch.int32),
                 torch.empty((0, max(k, 1)), dtype=torch.float32),
             )
-        raw = torch.from_numpy(self.buf)
+        raw = torch.from_numpy(self.buf) if self.device is None else self.buf
         x = raw[lay.x_offset : lay.x_offset + 2 * m * hidden].view(torch.bfloat16)
         ids = raw[lay.ids_offset : lay.ids_offset + 4 * m * k].view(torch.int32)
         w = raw[lay.weights_offset : lay.weights_offset + 4 * m * k].view(torch.float32)
+        if self.device is not None:
+            n = m * k
+            with torch.cuda.device(self.device):  # the driver's copies need its context
+                stream = _down_stream(self.device)
+                copy_into(stream, self._ids[:n], ids)
+                copy_into(stream, self._w[:n], w)
+                stream.synchronize()
+            ids, w = self._ids[:n], self._w[:n]
         return x.view(m, hidden), ids.view(m, k), w.view(m, k)
 
     def write_output(self, rows, timing: dict, placed: bool = False) -> None:
@@ -84,10 +146,13 @@ class RemoteSlot:
             lease = self.lease
             try:
                 if n:
-                    self.buf[off : off + data.shape[0]] = data
+                    if not placed:  # a device slot's rows are there already (the runner)
+                        self.buf[off : off + data.shape[0]] = data
                     agent = lease.registry.agent
                     size = data.shape[0]
-                    local = agent.get_xfer_descs([(self.addr + off, size, 0)], nixl.HOST)
+                    local = agent.get_xfer_descs(
+                        [(self.addr + off, size, self.device_id)], self.memory
+                    )
                     remote = agent.get_xfer_descs(
                         [(self.peer_addr + off, size, self.peer_device)], lease.memory
                     )
@@ -176,8 +241,13 @@ class RemoteRegistry:
         if len(peer.regions) != slots:
             raise invalid(f"{len(peer.regions)} registered regions for {slots} slots")
         kinds = {r.memory for r in peer.regions}
-        if kinds != {nixl.HOST}:
-            raise invalid(f"region memory {sorted(kinds)}: host memory (DRAM) is served")
+        device = None
+        if kinds == {nixl.DEVICE}:
+            device = self._device()
+        elif kinds != {nixl.HOST}:
+            raise invalid(
+                f"region memory {sorted(kinds)}: all host (DRAM) or all device (VRAM) regions"
+            )
         for i, region in enumerate(peer.regions):
             if region.byte_size < layout.byte_size:
                 raise invalid(
@@ -203,12 +273,13 @@ class RemoteRegistry:
             with contextlib.suppress(Exception):
                 agent.remove_remote_agent(name)
             raise invalid(f"agent metadata names {name}, not {peer.agent_name}")
-        lease = RemoteLease(self, secrets.token_hex(8), name, nixl.HOST)
-        for i, region in enumerate(peer.regions):
-            lease.slots.append(RemoteSlot(lease, i, layout, region))
+        memory = nixl.HOST if device is None else nixl.DEVICE
+        lease = RemoteLease(self, secrets.token_hex(8), name, memory)
         try:
+            for i, region in enumerate(peer.regions):
+                lease.slots.append(RemoteSlot(lease, i, layout, region, device))
             lease.reg = agent.register_memory(
-                [(s.addr, layout.byte_size, 0, "") for s in lease.slots], nixl.HOST
+                [(s.addr, layout.byte_size, s.device_id, "") for s in lease.slots], memory
             )
         except Exception as e:
             with contextlib.suppress(Exception):
@@ -237,12 +308,29 @@ class RemoteRegistry:
                 agent_name=agent.name,
                 agent_metadata=agent.get_agent_metadata(),
                 regions=[
-                    pb.NixlRegion(address=s.addr, byte_size=layout.byte_size, memory=nixl.HOST)
+                    pb.NixlRegion(
+                        address=s.addr,
+                        byte_size=layout.byte_size,
+                        device_id=s.device_id,
+                        memory=memory,
+                    )
                     for s in lease.slots
                 ],
             ),
         )
         return lease, reply
+
+    def _device(self) -> torch.device:
+        """The GPU that device (VRAM) slots live on: this shard's; RequestError on a
+        CPU shard."""
+        bank = self.servicer.bank
+        device = bank.backend.device if bank is not None else None
+        if device is None or device.type != "cuda":
+            raise invalid(
+                "device memory (VRAM) regions: this shard serves from the host "
+                "(register host memory, DRAM)"
+            )
+        return device
 
     async def hold(self, lease: RemoteLease, drain: asyncio.Event) -> None:
         """Until the server drains or stops (the RPC's cancellation, when the client
@@ -274,6 +362,9 @@ class RemoteRegistry:
         agent = self.agent
         with contextlib.suppress(Exception):
             agent.remove_remote_agent(lease.peer)
+        if lease.memory == nixl.DEVICE:  # no batch may still copy into a device slot
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(lease.slots[0].device)
         with contextlib.suppress(Exception):
             agent.deregister_memory(lease.reg)
         self.servicer.metrics.dataplane_leases.labels(nixl.NIXL).dec()
@@ -323,7 +414,8 @@ class RemoteRegistry:
         if m and not 1 <= k <= lay.top_k:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
         x, ids, w = slot.inputs(m, k, lay.hidden)
-        ids, w = ids.clone(), w.clone()  # checked values stay checked
+        if slot.device is None:  # checked values stay checked (a device slot's are copies)
+            ids, w = ids.clone(), w.clone()
         self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received, trace)
 
     def close(self) -> None:

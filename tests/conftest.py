@@ -78,6 +78,17 @@ def routing(m: int, gen: torch.Generator, num_experts: int = 64, top_k: int = 8)
     return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
 
 
+def cuda_inputs(preset: str, m: int, seed: int, id_dtype=torch.int32):
+    """A call's (x, ids, weights) on the GPU for synthetic `preset`: random hidden
+    states, each token's top-k of random logits, softmax weights (GPU tests)."""
+    p = get_preset(preset)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((m, p.hidden_size), device="cuda", generator=gen).bfloat16()
+    logits = torch.randn((m, p.num_experts), device="cuda", generator=gen)
+    top = logits.topk(p.top_k, dim=1)
+    return x, top.indices.to(id_dtype), torch.softmax(top.values, dim=1)
+
+
 def hidden(m: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn((m, PRESET.hidden_size), generator=gen).to(torch.bfloat16)
 

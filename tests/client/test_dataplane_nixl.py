@@ -134,7 +134,8 @@ def test_a_bad_call_gets_forwards_error_and_the_shard_keeps_serving(one_shard):
             through_slot(99, ids)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert torch.equal(bits(client.forward(0, x, ids, w)), bits(good))
-        assert client.stats()[one_shard.address]["transport"] == "nixl"
+        stats = client.stats()[one_shard.address]
+        assert stats["transport"] == "nixl" and stats["slot_memory"] == "host"
 
 
 def test_a_shard_killed_mid_call_fails_it_within_the_deadline(one_shard):
@@ -219,6 +220,21 @@ def test_mismatched_registrations_are_refused(one_shard):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "1 registered regions for 2 slots" in text
     code, text = ask(max_tokens=10**9)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in text
+
+    def peer(*memories):
+        return pb.NixlPeer(
+            agent_name=agent.name,
+            agent_metadata=agent.get_agent_metadata(),
+            regions=[pb.NixlRegion(address=4096, byte_size=need, memory=m) for m in memories],
+        )
+
+    # GPU memory needs a GPU shard; one registration is all host or all device memory
+    code, text = ask(nixl=peer("VRAM"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "serves from the host" in text
+    code, text = ask(slots=2, nixl=peer("DRAM", "VRAM"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "all host (DRAM)" in text
+    code, text = ask(nixl=peer("FILE"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'FILE'" in text
     # the shard still registers a well-formed client and serves it
     with ExpertClient([one_shard.address], transport="nixl") as client:
         x, ids, w = case(2, 4)

@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import cuda_inputs
 
 from expertd.client import ExpertClient, ShardCallError
 from expertd.kernels.reference import relative_error
 from expertd.launcher import start_shard, stop_shards, wait_serving
-from expertd.server.synthetic import get_preset
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -48,12 +48,7 @@ def shards():
 
 
 def _inputs(m: int, seed: int):
-    p = get_preset(PRESET)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn((m, p.hidden_size), device="cuda", generator=gen).bfloat16()
-    logits = torch.randn((m, p.num_experts), device="cuda", generator=gen)
-    top = logits.topk(p.top_k, dim=1)
-    return x, top.indices, torch.softmax(top.values, dim=1)
+    return cuda_inputs(PRESET, m, seed, torch.int64)
 
 
 def _step(client: ExpertClient, x, ids, w) -> tuple[torch.Tensor, torch.Tensor]:

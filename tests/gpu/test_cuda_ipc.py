@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import cuda_inputs
 
 from expertd import dataplane as dp
 from expertd.client import ExpertClient, ExpertdError, ShardCallError
@@ -43,12 +44,7 @@ def shards():
 
 
 def _inputs(m: int, seed: int):
-    p = get_preset(PRESET)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn((m, p.hidden_size), device="cuda", generator=gen).bfloat16()
-    logits = torch.randn((m, p.num_experts), device="cuda", generator=gen)
-    top = logits.topk(p.top_k, dim=1)
-    return x, top.indices.int(), torch.softmax(top.values, dim=1)
+    return cuda_inputs(PRESET, m, seed)
 
 
 def test_cuda_ipc_is_chosen_and_matches_grpc_bit_for_bit(shards):

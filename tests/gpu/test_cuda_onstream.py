@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import cuda_inputs
 
 from expertd.client import ExpertClient, ExpertdError, ShardCallError
 from expertd.launcher import start_shard, stop_shards, wait_serving
-from expertd.server.synthetic import get_preset
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -47,12 +47,7 @@ def shard():
 
 
 def _inputs(m: int, seed: int, id_dtype=torch.int64):
-    p = get_preset(PRESET)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn((m, p.hidden_size), device="cuda", generator=gen).bfloat16()
-    logits = torch.randn((m, p.num_experts), device="cuda", generator=gen)
-    top = logits.topk(p.top_k, dim=1)
-    return x, top.indices.to(id_dtype), torch.softmax(top.values, dim=1)
+    return cuda_inputs(PRESET, m, seed, id_dtype)
 
 
 def _warm(client: ExpertClient) -> None:
