@@ -106,13 +106,10 @@ def enqueue(
 
     `graph`: the stream is capturing a CUDA graph and the slots are kept for it
     (`GraphCalls`): every value the stream stores is the same on each replay (see
-    `_ring_graph`), and no event marks the call (no host tracks it)."""
+    `_ring`), and no event marks the call (no host tracks it)."""
     stream = torch.cuda.current_stream(x.device)
     for slot in slots:  # every shard's rows and doorbell first: they compute side by side
-        if graph:
-            _ring_graph(slot, stream, layer, x, ids, w, timeout)
-        else:
-            _ring(slot, stream, layer, x, ids, w, timeout)
+        _ring(slot, stream, layer, x, ids, w, timeout, graph)
     if slots[0].sem:  # then the wake-ups of waiters asleep (a spinning one saw its word)
         for slot in slots:
             cudamem.host_call(stream, _sem_post(), slot.sem)
@@ -134,54 +131,44 @@ def enqueue(
     return out
 
 
-def _ring(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> None:
-    """One slot's part of a call: the rows, the header, the doorbell."""
-    m, k = ids.shape
-    req_dev = slot.stream_words()[0]
-    ctl = slot.ctl
-    seq = (ctl.req_seq + 1) & 0xFFFFFFFF  # the slot is idle: req_seq is the last call's
-    ctl.layer = layer
-    ctl.m = m
-    ctl.k = k
-    ctl.flags = dp.FLAG_STREAM
-    ctl.timeout_us = max(int(timeout * 1e6), 1)
-    ctl.span_id = 0
-    ctl.seen_ns = 0
-    slot.seq = seq
-    slot.rows = m
-    slot.ring_ns = time.monotonic_ns()
-    if slot.reading:  # a sum on another stream may still read the out region
-        stream.wait_event(slot.read_done)
-        slot.reading = False
-    if m:
-        cudamem.copy_into(stream, slot.x_dev[:m], x)
-        cudamem.copy_into(stream, slot.ids_host[: m * k].view(m, k), ids)
-        cudamem.copy_into(stream, slot.w_host[: m * k].view(m, k), w)
-    cudamem.write_value(stream, req_dev, seq)
+def _ring(
+    slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float, graph: bool = False
+) -> None:
+    """One slot's part of a call: the header, the rows, the doorbell.
 
-
-def _ring_graph(slot: CudaIpcSlot, stream, layer: int, x, ids, w, timeout: float) -> None:
-    """`_ring` for a call captured in a CUDA graph. The header is stored once, now (the
-    slot serves this one captured call for good); each replay stores done_seq = 0, the
-    rows, then req_seq = GRAPH_SEQ, and waits for done_seq == GRAPH_SEQ (the shard sets
-    req_seq back to 0 as it takes the call: FLAG_GRAPH)."""
+    `graph` (a call captured in a CUDA graph): the header is stored once, now (the slot
+    serves this one captured call for good); each replay stores done_seq = 0, the rows,
+    then req_seq = GRAPH_SEQ, and waits for done_seq == GRAPH_SEQ (the shard sets
+    req_seq back to 0 as it takes the call: FLAG_GRAPH). The rows' routes go through
+    the slot's GPU mapping of the host slot (a graph's copies write it as kernels do)."""
     m, k = ids.shape
     req_dev, done_dev = slot.stream_words()
     ctl = slot.ctl
+    # the slot is idle: req_seq is its last call's
+    seq = dp.GRAPH_SEQ if graph else (ctl.req_seq + 1) & 0xFFFFFFFF
     ctl.layer = layer
     ctl.m = m
     ctl.k = k
-    ctl.flags = dp.FLAG_STREAM | dp.FLAG_GRAPH
+    ctl.flags = dp.FLAG_STREAM | (dp.FLAG_GRAPH if graph else 0)
     ctl.timeout_us = max(int(timeout * 1e6), 1)
     ctl.span_id = 0
-    slot.seq = dp.GRAPH_SEQ
+    slot.seq = seq
     slot.rows = m
-    cudamem.write_value(stream, done_dev, 0)
+    if graph:
+        cudamem.write_value(stream, done_dev, 0)
+        ids_dst, w_dst = slot.ids_mapped, slot.w_mapped
+    else:
+        ctl.seen_ns = 0
+        slot.ring_ns = time.monotonic_ns()
+        if slot.reading:  # a sum on another stream may still read the out region
+            stream.wait_event(slot.read_done)
+            slot.reading = False
+        ids_dst, w_dst = slot.ids_host, slot.w_host
     if m:
         cudamem.copy_into(stream, slot.x_dev[:m], x)
-        cudamem.copy_into(stream, slot.ids_mapped[: m * k].view(m, k), ids)
-        cudamem.copy_into(stream, slot.w_mapped[: m * k].view(m, k), w)
-    cudamem.write_value(stream, req_dev, dp.GRAPH_SEQ)  # after a fence: the rows first
+        cudamem.copy_into(stream, ids_dst[: m * k].view(m, k), ids)
+        cudamem.copy_into(stream, w_dst[: m * k].view(m, k), w)
+    cudamem.write_value(stream, req_dev, seq)  # after a fence: the rows first
 
 
 class _Call:
