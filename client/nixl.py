@@ -28,11 +28,14 @@ import time
 
 import grpc
 import numpy as np
+import torch
 
 from expertd import dataplane as dp
 from expertd import nixl
+from expertd.client.cudaipc import gather_rows, side_stream
 from expertd.client.shm import NO_TRACE, LeaseError, SlotPool, fill_rows
 from expertd.client.stream import StreamCallError
+from expertd.cudamem import on_stream
 
 log = logging.getLogger("expertd.client")
 
@@ -145,8 +148,6 @@ class ClientAgent:
                 self.agent.deregister_memory(reg)
         if mems:  # an answer's sum may still read a slot on a stream of the caller's
             with contextlib.suppress(Exception):
-                import torch
-
                 torch.cuda.synchronize(mems[0].device)
 
     def close(self) -> None:
@@ -186,10 +187,6 @@ class NixlSlot:
             self.w = buf[w_span].view(np.float32)
             self.out = buf[out_span].view(np.uint16)
         else:
-            import torch
-
-            from expertd.client.cudaipc import side_stream
-
             t = mem  # uint8 [byte_size] on this client's GPU
             self.addr = t.data_ptr()
             self.device_id = t.device.index or 0
@@ -273,9 +270,6 @@ class NixlSlot:
     def _gather(self, x, tokens, ids, w) -> int:
         """A device slot's rows and routes into its GPU buffer; returns once they are
         there (NIXL reads the memory as it is, after no stream) -> m."""
-        from expertd.client.cudaipc import gather_rows
-        from expertd.cudamem import on_stream
-
         m, k = ids.shape
         lay = self.layout
         if m > lay.max_tokens or (m and k > lay.top_k):
@@ -458,8 +452,6 @@ class NixlChannel(SlotPool):
         try:
             for i in range(slots):
                 if self.on_device:  # freed once deregistered (ClientAgent._release)
-                    import torch
-
                     mem = torch.empty(lay.byte_size, dtype=torch.uint8, device=self.device)
                     lease.slots.append(NixlSlot(lease, i, lay, mem=mem))
                 else:
