@@ -96,6 +96,7 @@ class AsyncExpertClient:
         busy_retries: int = 6,
         busy_backoff: float = 0.05,
         metrics=None,
+        slot_tokens: int = 0,
     ) -> None:
         """Opens channels only; `await client.refresh()` (or use `connect`) to discover.
 
@@ -115,9 +116,18 @@ class AsyncExpertClient:
         busy_backoff: the first pause after such a refusal (doubles, jittered, at
         most BUSY_PAUSE_MAX s). A busy replica stays in rotation: busy is not down.
         metrics: a prometheus_client CollectorRegistry to observe the calls' stage
-        times in (client/telemetry.py; `timings()` has their totals either way)."""
+        times in (client/telemetry.py; `timings()` has their totals either way);
+        slot_tokens: the rows one data-plane slot holds (0, the default: as many as the
+        replica takes in a request). Slots cost memory at both ends (at H = 4096 and
+        16384 rows, 256 MiB each, GPU memory for cuda-ipc and NIXL device slots); a
+        shard's part of a call with more rows goes over gRPC."""
         if not 0 < attempt_share <= 1:
             raise ValueError(f"attempt_share must be in (0, 1], not {attempt_share}")
+        if slot_tokens < 0:
+            raise ValueError(
+                f"slot_tokens must be 0 (the replica's limit) or more, not {slot_tokens}"
+            )
+        self.slot_tokens = int(slot_tokens)
         self.attempt_share = attempt_share
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
@@ -281,6 +291,8 @@ class AsyncExpertClient:
     async def _lease(self, ep: Endpoint, ch, timeout: float, whys: list[str]) -> bool:
         """Lease the first slots of channel `ch` with `ep`: True, and `ch` is its data
         plane; False (why appended to `whys`, `ch` closed) when it cannot be done."""
+        limit = ep.info.max_tokens_per_request
+        ch.slot_tokens = min(self.slot_tokens, limit) if limit else self.slot_tokens
         try:
             await ch.grow(ep.stub, self._register_md, SLOTS_PER_LEASE, timeout)
         except (LeaseError, OSError) as e:
@@ -302,8 +314,9 @@ class AsyncExpertClient:
                 self._nixl_why = f"NIXL agent could not start: {e}"
         return self._nixl_agent
 
-    async def _slot(self, ep: Endpoint, timeout: float):
-        """A free slot of this replica, leasing more when all are busy; None: use gRPC."""
+    async def _slot(self, ep: Endpoint, timeout: float, rows: int):
+        """A free slot of this replica for `rows` rows, leasing more when all are busy;
+        None: use gRPC."""
         ch = await self._dataplane(ep, timeout)
         if ch is None:
             forced = self.transport in FORCED_SLOTS
@@ -312,6 +325,8 @@ class AsyncExpertClient:
                 raise StreamCallError(
                     grpc.StatusCode.UNAVAILABLE, f"{self.transport} transport: {why}"
                 )
+            return None
+        if not ch.fits(rows):  # larger than this client's slots (slot_tokens)
             return None
         slot = ch.acquire()
         if slot is None and ch.size < MAX_SLOTS:
@@ -598,6 +613,8 @@ class AsyncExpertClient:
                 if ep.dataplane_for != ep.info.instance_id or ch is not None:
                     return None, None  # not decided for this instance yet
                 continue  # on gRPC
+            if not ch.fits(part.tokens.numel()):
+                return None, None  # the loop's path sends it over gRPC
             slot = ch.acquire()
             if slot is not None:
                 return ep, slot
@@ -849,7 +866,9 @@ class AsyncExpertClient:
                 span = tracing.start("expertd.client.shard", {**attrs, "expertd.tokens": rows})
             try:
                 slot = (
-                    await self._slot(ep, min(budget, self.discover_timeout)) if slots_ok else None
+                    await self._slot(ep, min(budget, self.discover_timeout), rows)
+                    if slots_ok
+                    else None
                 )
                 if slot is not None:
                     held.append(slot)  # released after the sum, or when the call fails

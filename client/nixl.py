@@ -431,9 +431,7 @@ class NixlChannel(SlotPool):
         self.device = device
         self.on_device = device is not None
         self.instance_id = info.instance_id
-        self.layout = dp.Layout(
-            info.max_tokens_per_request, info.top_k or DEFAULT_TOP_K, info.hidden_size
-        )
+        self.info = info
         super().__init__()
 
     async def grow(self, stub, metadata, slots: int, timeout: float) -> None:
@@ -445,7 +443,12 @@ class NixlChannel(SlotPool):
             raise LeaseError("every slot this replica gives is registered")
         slots = max(slots, SLOTS)
 
-        lay = self.layout
+        info = self.info
+        lay = dp.Layout(
+            self.slot_tokens or info.max_tokens_per_request,
+            info.top_k or DEFAULT_TOP_K,
+            info.hidden_size,
+        )
         owner = self.owner
         lease = NixlLease(owner, self.instance_id)
         memory = nixl.DEVICE if self.on_device else nixl.HOST

@@ -123,6 +123,7 @@ class Pool:
                 "transport": ep.dataplane.name if ep.dataplane is not None else "grpc",
                 "transport_why": ep.dataplane_why,
                 "slots": ep.dataplane.size if ep.dataplane is not None else 0,
+                "slot_rows": ep.dataplane.rows if ep.dataplane is not None else 0,
                 # where the slots' rows live: "device" (cuda-ipc, NIXL on GPU memory)
                 "slot_memory": (
                     ""

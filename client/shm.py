@@ -357,6 +357,10 @@ class SlotPool:
     thread-safe hand-out of idle slots, and whether the replica's leases still hold.
     Subclasses fill `leases` (each with `slots`, `closed`, `why`) and `_free`."""
 
+    # the rows a slot holds, asked for when leasing (0: the replica's limit; the client's
+    # slot_tokens); set before the first lease
+    slot_tokens = 0
+
     def __init__(self) -> None:
         self.leases: list = []
         self._free: list = []
@@ -366,6 +370,21 @@ class SlotPool:
     @property
     def size(self) -> int:
         return sum(len(lease.slots) for lease in self.leases)
+
+    @property
+    def rows(self) -> int:
+        """The rows one slot holds (0 before the first lease)."""
+        for lease in self.leases:
+            if lease.slots:
+                return lease.slots[0].layout.max_tokens
+        return 0
+
+    def fits(self, rows: int) -> bool:
+        """Whether a call of `rows` rows fits this replica's slots (the leases made so
+        far; before the first, whether it fits what will be asked for)."""
+        if self.rows:
+            return rows <= self.rows
+        return not self.slot_tokens or rows <= self.slot_tokens
 
     def acquire(self):
         """A free slot, or None (all busy or abandoned)."""
@@ -441,7 +460,9 @@ async def register_slots(stub, metadata, channel, slots: int, timeout: float):
 
     try:
         reply = await stub.RegisterSlots(
-            pb.RegisterSlotsRequest(transport=channel.name, slots=slots),
+            pb.RegisterSlotsRequest(
+                transport=channel.name, slots=slots, max_tokens=channel.slot_tokens
+            ),
             timeout=timeout,
             metadata=metadata,
         )

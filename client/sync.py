@@ -39,9 +39,10 @@ class ExpertClient:
         """Discovers the shards before returning (CoverageError when none answers).
 
         options: those of AsyncExpertClient (timeout, discover_timeout, metadata,
-        token, tls, max_attempts, retry_backoff, refresh_s, transport,
-        attempt_share, busy_retries, busy_backoff). transport "auto" (the default)
-        picks shared memory for each shard on this host, see docs/dataplane.md.
+        token, tls, max_attempts, retry_backoff, refresh_s, transport, attempt_share,
+        busy_retries, busy_backoff, metrics, slot_tokens). transport "auto" (the
+        default) picks shared memory for each shard on this host, see
+        docs/dataplane.md.
 
         on_stream (default False): a CUDA caller's calls that cuda-ipc slots can carry
         are queued on its current stream and `forward` returns at once; their errors

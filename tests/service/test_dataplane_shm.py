@@ -532,3 +532,37 @@ def test_pinned_rows_lock_by_doubling_and_stop_asking_once_refused(monkeypatch):
     refuse.clear()
     calls.clear()
     assert rows.out_rows(10) is None and not calls  # not asked again
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", *(["nixl"] if nixl.available() else [])])
+def test_slot_tokens_bounds_the_slots_and_larger_parts_go_over_grpc(bank_all, transport):
+    """ExpertClient(slot_tokens=N): slots of N rows (their memory is the client's
+    budget); a shard's part with more rows goes over gRPC, with the same bits."""
+    server = BackgroundServer(shard_config(0, **ALL), bank=bank_all)
+    metrics = server.servicer.metrics.registry
+
+    def slot_calls() -> float:
+        return (
+            metrics.get_sample_value("expertd_requests_total", {"method": "Slot", "code": "OK"})
+            or 0.0
+        )
+
+    try:
+        with (
+            ExpertClient([server.address], transport=transport, slot_tokens=8) as client,
+            ExpertClient([server.address], transport="grpc") as ref,
+        ):
+            for m, through_slot in ((8, True), (9, False), (3, True), (300, False)):
+                gen = torch.Generator().manual_seed(m)
+                x = hidden(m, gen)
+                ids, w = routing(m, gen)
+                before = slot_calls()
+                got = client.forward(0, x, ids, w)
+                assert torch.equal(bits(got), bits(ref.forward(0, x, ids, w))), m
+                assert (slot_calls() == before + 1) == through_slot, m
+            stats = client.stats()[server.address]
+            assert stats["transport"] == transport and stats["slot_rows"] == 8, stats
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="slot_tokens"):
+        ExpertClient(["127.0.0.1:1"], slot_tokens=-1)
