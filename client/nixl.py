@@ -35,7 +35,7 @@ from expertd import nixl
 from expertd.client.cudaipc import gather_rows, side_stream
 from expertd.client.shm import NO_TRACE, LeaseError, SlotPool, fill_rows
 from expertd.client.stream import StreamCallError
-from expertd.cudamem import on_stream
+from expertd.cudamem import copy_into
 
 log = logging.getLogger("expertd.client")
 
@@ -284,9 +284,8 @@ class NixlSlot:
             gather_rows(self.stream, self.x_dev[:m], x, tokens)
             self.ids_pin[:n].numpy()[:] = ids.reshape(-1)
             self.w_pin[:n].numpy()[:] = w.reshape(-1)
-            with on_stream(self.stream):
-                self.ids_dev[:n].copy_(self.ids_pin[:n], non_blocking=True)
-                self.w_dev[:n].copy_(self.w_pin[:n], non_blocking=True)
+            copy_into(self.stream, self.ids_dev[:n], self.ids_pin[:n])
+            copy_into(self.stream, self.w_dev[:n], self.w_pin[:n])
             self.stream.synchronize()
         return m
 
