@@ -401,9 +401,11 @@ class GraphCalls:
                 call.slot.lease._ended("a call captured in a graph passed its deadline")
 
     def _release(self, call: _GraphCall, code, details: str) -> None:
-        call.slot.ctl.done_seq = dp.GRAPH_SEQ  # the replay's stream goes on
-        call.since = None
+        # the error first: a caller whose stream goes on once done_seq is stored and
+        # then asks (synchronize) must find it
         self._record(call, code, details)
+        call.since = None
+        call.slot.ctl.done_seq = dp.GRAPH_SEQ  # the replay's stream goes on
 
     def _record(self, call: _GraphCall, code, details: str) -> None:
         err = ShardCallError(call.ep.address, call.layer, call.experts, code, details)
