@@ -402,6 +402,7 @@ def _row(m: int, e2e, busiest, total, overhead, per_call: float, stats: dict) ->
         "overhead_p99_us": pct(overhead, 0.99),
         "queued_per_call_us": per_call,
         "transports": sorted({s["transport"] for s in stats.values()}),
+        "slot_memory": sorted({s["slot_memory"] for s in stats.values()} - {""}),
     }
 
 
