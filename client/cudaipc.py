@@ -155,11 +155,7 @@ class CudaIpcSlot(Slot):
         device; tokens: the rows of it to send (None: all, in order), ids/w: [m, k]
         host arrays."""
         m, k = ids.shape
-        lay = self.layout
-        if m > lay.max_tokens or (m and k > lay.top_k):
-            raise ValueError(
-                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
-            )
+        self.layout.check(m, k)
         if self.reading:  # the shard overwrites out once rung: after the last sum read it
             self.stream.wait_event(self.read_done)
             self.reading = False

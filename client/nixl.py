@@ -271,11 +271,7 @@ class NixlSlot:
         """A device slot's rows and routes into its GPU buffer; returns once they are
         there (NIXL reads the memory as it is, after no stream) -> m."""
         m, k = ids.shape
-        lay = self.layout
-        if m > lay.max_tokens or (m and k > lay.top_k):
-            raise ValueError(
-                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
-            )
+        self.layout.check(m, k)
         if self.reading:  # the shard overwrites out once called: after the last sum read it
             self.stream.wait_event(self.read_done)
             self.reading = False

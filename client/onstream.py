@@ -79,11 +79,7 @@ def usable(slots: list[CudaIpcSlot], m: int, k: int) -> bool:
     queued, when one cannot be mapped for the GPU (it is not offered for that again).
     ValueError, with nothing queued, for a call that does not fit a slot."""
     for slot in slots:
-        lay = slot.layout
-        if m > lay.max_tokens or (m and k > lay.top_k):
-            raise ValueError(
-                f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}"
-            )
+        slot.layout.check(m, k)
     for slot in slots:
         try:
             slot.stream_words()

@@ -84,8 +84,7 @@ def fill_rows(slot, x_bits: np.ndarray, tokens, ids, w) -> int:
     the rows of it to send (None: all, in order), ids/w: [m, k]."""
     m, k = ids.shape
     lay = slot.layout
-    if m > lay.max_tokens or (m and k > lay.top_k):
-        raise ValueError(f"{m} x {k} routes do not fit a slot of {lay.max_tokens} x {lay.top_k}")
+    lay.check(m, k)
     h = lay.hidden
     if m:
         dst = slot.x[: m * h].reshape(m, h)

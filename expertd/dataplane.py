@@ -213,6 +213,13 @@ class Layout:
             hidden_size=self.hidden,
         )
 
+    def check(self, m: int, k: int) -> None:
+        """ValueError unless a call of m rows and k routes per row fits a slot."""
+        if m > self.max_tokens or (m and k > self.top_k):
+            raise ValueError(
+                f"{m} x {k} routes do not fit a slot of {self.max_tokens} x {self.top_k}"
+            )
+
     @classmethod
     def from_proto(cls, msg, device: bool = False) -> Layout:
         """The layout the server described; ValueError when its offsets are not ours."""

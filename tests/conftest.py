@@ -24,6 +24,7 @@ import torch
 
 from expertd.client.channels import ExpertStub
 from expertd.client.shm import ShmChannel
+from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.app import BackgroundServer
 from expertd.server.config import ServerConfig
 from expertd.server.synthetic import get_preset, synthetic_layer
@@ -76,6 +77,20 @@ def routing(m: int, gen: torch.Generator, num_experts: int = 64, top_k: int = 8)
     logits = torch.randn((m, num_experts), generator=gen)
     top = logits.topk(top_k, dim=1)
     return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
+
+
+@contextlib.contextmanager
+def serving_shards(*args: str, num_shards: int = 2, timeout: float = 300):
+    """`num_shards` `expertd serve` processes of one model (`args`, then --shard S
+    --num-shards N), SERVING; stopped at the end."""
+    procs = []
+    try:
+        for s in range(num_shards):
+            procs.append(start_shard([*args, "--shard", str(s), "--num-shards", str(num_shards)]))
+        wait_serving(procs, timeout=timeout)
+        yield procs
+    finally:
+        stop_shards(procs)
 
 
 def cuda_inputs(preset: str, m: int, seed: int, id_dtype=torch.int32):

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import cuda_inputs
+from conftest import cuda_inputs, serving_shards
 
 from expertd import dataplane as dp
 from expertd.client import ExpertClient, ExpertdError, ShardCallError
@@ -27,20 +27,10 @@ PRESET = "small"
 
 @pytest.fixture(scope="module")
 def shards():
-    procs = [
-        start_shard(
-            [
-                *("--synthetic", PRESET, "--layers", "2", "--seed", "5"),
-                *("--shard", str(s), "--num-shards", "2", "--device", "cuda"),
-            ]
-        )
-        for s in range(2)
-    ]
-    try:
-        wait_serving(procs, timeout=300)
+    with serving_shards(
+        "--synthetic", PRESET, "--layers", "2", "--seed", "5", "--device", "cuda"
+    ) as procs:
         yield procs
-    finally:
-        stop_shards(procs)
 
 
 def _inputs(m: int, seed: int):

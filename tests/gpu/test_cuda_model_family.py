@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import serving_shards
 
 from expertd import dataplane as dp
 from expertd.client import ExpertClient
 from expertd.client.hf import use_remote_experts
-from expertd.launcher import start_shard, stop_shards, wait_serving
 from expertd.server.checkpoint import CheckpointReader
 
 pytestmark = pytest.mark.cuda
@@ -29,20 +29,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "remote_experts_hf.
 
 @pytest.fixture(scope="module")
 def shards():
-    procs = [
-        start_shard(
-            [
-                *("--checkpoint", str(family.FIXTURE), "--device", "cuda"),
-                *("--shard", str(s), "--num-shards", "2"),
-            ]
-        )
-        for s in range(2)
-    ]
-    try:
-        wait_serving(procs, timeout=300)
+    with serving_shards("--checkpoint", str(family.FIXTURE), "--device", "cuda") as procs:
         yield procs
-    finally:
-        stop_shards(procs)
 
 
 def test_remote_experts_on_gpu_shards_generate_the_local_tokens(shards):

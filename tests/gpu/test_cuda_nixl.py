@@ -10,11 +10,10 @@ import asyncio
 
 import pytest
 import torch
-from conftest import cuda_inputs
+from conftest import cuda_inputs, serving_shards
 
 from expertd import nixl
 from expertd.client import AsyncExpertClient, ExpertClient
-from expertd.launcher import start_shard, stop_shards, wait_serving
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -27,20 +26,10 @@ PRESET = "small"
 
 @pytest.fixture(scope="module")
 def shards():
-    procs = [
-        start_shard(
-            [
-                *("--synthetic", PRESET, "--layers", "2", "--seed", "5"),
-                *("--shard", str(s), "--num-shards", "2", "--device", "cuda"),
-            ]
-        )
-        for s in range(2)
-    ]
-    try:
-        wait_serving(procs, timeout=300)
+    with serving_shards(
+        "--synthetic", PRESET, "--layers", "2", "--seed", "5", "--device", "cuda"
+    ) as procs:
         yield procs
-    finally:
-        stop_shards(procs)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
