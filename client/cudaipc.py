@@ -39,10 +39,19 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
-def gather_rows(stream: torch.cuda.Stream, dst: torch.Tensor, x: torch.Tensor, tokens) -> None:
-    """Queue on `stream` the copy of x's rows `tokens` (None: all, in order) into `dst`
-    (bf16 [m, H] on a GPU). x: the caller's bf16 [M, H] on any device, complete
-    (client/core.stage_inputs waited for the caller's stream)."""
+def gather_rows(slot, x: torch.Tensor, tokens, m: int) -> None:
+    """Queue on `slot.stream` the copy of x's rows `tokens` (None: all m, in order) into
+    `slot.x_dev` (a device slot: cuda-ipc, or NIXL on GPU memory), once the last sum
+    has read the slot's out region (the shard overwrites it once called). x: the
+    caller's bf16 [M, H] on any device, complete (client/core.stage_inputs waited for
+    the caller's stream)."""
+    stream = slot.stream
+    if slot.reading:
+        stream.wait_event(slot.read_done)
+        slot.reading = False
+    if not m:
+        return
+    dst = slot.x_dev[:m]
     with on_stream(stream):
         if tokens is None:
             dst.copy_(x, non_blocking=True)
@@ -156,11 +165,8 @@ class CudaIpcSlot(Slot):
         host arrays."""
         m, k = ids.shape
         self.layout.check(m, k)
-        if self.reading:  # the shard overwrites out once rung: after the last sum read it
-            self.stream.wait_event(self.read_done)
-            self.reading = False
+        gather_rows(self, x, tokens, m)
         if m:
-            gather_rows(self.stream, self.x_dev[:m], x, tokens)
             self.ids[: m * k] = ids.reshape(-1)
             self.w[: m * k] = w.reshape(-1)
         ctl = self.ctl
