@@ -40,6 +40,10 @@ from expertd.cudamem import copy_into
 log = logging.getLogger("expertd.client")
 
 WAIT_SLICE_S = 0.02  # the caller's thread checks the lease's end this often
+# a caller's thread drives the agent itself (polls it) while it waits, for at most this
+# long, when the slot's last call was answered within it; longer calls are left to
+# the progress thread (a long forward does not hold a core spinning)
+DRIVE_S = 2e-3
 DEFAULT_TOP_K = 64
 SLOTS = 4  # slots per replica: calls beyond this many at once use gRPC  # routes per row a slot holds when the replica does not say
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -210,6 +214,8 @@ class NixlSlot:
         self.channel: NixlChannel | None = None
         self.held = False
         self.pending = False  # a call was sent and not answered yet
+        self.sent_at = 0.0
+        self.took = 0.0  # how long the last call took from its start to its answer (s)
         self.event = threading.Event()
         self._answer = None  # (status, rows, timing, text) of the call `seq`
 
@@ -237,11 +243,14 @@ class NixlSlot:
         self._answer = None
         self.event.clear()
         self.pending = True
+        self.sent_at = time.monotonic()
         lease = self.lease
         timeout_us = max(int(timeout * 1e6), 1)
         message = nixl.pack_call(self.index, self.seq, layer, m, k, timeout_us, 0, trace)
         agent = lease.owner.agent
-        lease.owner.progress.expect(self, time.monotonic() + timeout)  # poll for the answer
+        progress = lease.owner.progress
+        if notify:  # no thread of the caller's waits (drives the agent): the thread polls
+            progress.expect(self, time.monotonic() + timeout)
         try:
             if m:
                 spans = [
@@ -257,11 +266,17 @@ class NixlSlot:
                     self.memory,
                 )
                 seq = self.seq
-                lease.owner.progress.post(
-                    "WRITE", local, remote, lease.peer, message, lambda s: self._sent(seq, s)
+                progress.post(
+                    "WRITE",
+                    local,
+                    remote,
+                    lease.peer,
+                    message,
+                    lambda s: self._sent(seq, s),
+                    wake=notify,
                 )
             else:
-                lease.owner.progress.notify(lease.peer, message)
+                progress.notify(lease.peer, message, wake=notify)
         except Exception as e:
             self.pending = False
             lease.ended(f"NIXL transfer failed ({e})")
@@ -292,6 +307,7 @@ class NixlSlot:
         if seq != self.seq or not self.pending:
             return
         self._answer = (status, rows, timing, text)
+        self.took = time.monotonic() - self.sent_at
         self.pending = False
         self.lease.owner.progress.settle(self)
         self.event.set()
@@ -304,9 +320,16 @@ class NixlSlot:
     def answered(self) -> bool:
         return self._answer is not None
 
+    def _over(self) -> bool:
+        return self._answer is not None or self.lease.closed
+
     def wait(self, deadline: float) -> bool:
         """Block until answered (True), the deadline (False) or the lease's end
         (StreamCallError UNAVAILABLE)."""
+        progress = self.lease.owner.progress
+        now = time.monotonic()
+        if self.took > DRIVE_S or not progress.drive(self._over, min(deadline, now + DRIVE_S)):
+            progress.expect(self, deadline)  # the progress thread polls from here
         while True:
             left = deadline - time.monotonic()
             if self.event.wait(max(min(left, WAIT_SLICE_S), 0)) and self.answered():

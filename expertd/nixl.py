@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import struct
 import threading
 import time
@@ -163,14 +164,22 @@ def _fine_timer() -> None:
 
 
 class Progress:
-    """One thread that drives an agent: it reads new notifications (handing each
-    to `on_notif(agent_name, message)`) and checks the transfers this side posted
-    (UCX sends a transfer's notification once a check finds it complete; `on_done`
-    gets "DONE" or "ERR"). It polls often just after any activity and while an answer
-    is awaited, and otherwise sleeps in naps, so an idle shard costs little CPU."""
+    """Drives an agent: reads new notifications (handing each to
+    `on_notif(agent_name, message)`) and checks the transfers this side posted (UCX
+    sends a transfer's notification once a check finds it complete; `on_done` gets
+    "DONE" or "ERR").
 
-    # after any activity, poll for HOT_S: every POLL_S at first, then every 1/50 of the
-    # time since the activity (a stream of calls is caught at once; quiet costs less CPU)
+    Its thread polls without sleeping for SPIN_S after any activity, then often while
+    an answer is awaited, and otherwise sleeps in naps, so an idle shard costs little
+    CPU. A thread that waits for an answer can drive the agent itself (`drive`): it
+    sees its answer without a hand-over from this thread, which meanwhile stays out of
+    the way (two threads polling one agent take the interpreter lock from each other).
+    """
+
+    # after any activity: poll without sleeping for SPIN_S (yielding the interpreter
+    # lock between passes), then for HOT_S every POLL_S at first, then every 1/50 of
+    # the time since the activity (a stream of calls is caught at once; quiet costs less)
+    SPIN_S = 100e-6
     HOT_S = 2e-3
     POLL_S = 20e-6
     # while an expected answer is out (expect()), past HOT_S: poll every 1/50 of the
@@ -178,6 +187,7 @@ class Progress:
     WAIT_POLL_S = 200e-6
     NAP_S = 100e-6  # then naps, doubling up to MAX_NAP_S
     MAX_NAP_S = 1e-3
+    DRIVEN_NAP_S = 1e-3  # the thread's naps while a caller drives the agent
 
     def __init__(self, agent, on_notif: Callable[[str, bytes], None], name: str) -> None:
         self.agent = agent
@@ -185,13 +195,18 @@ class Progress:
         self._posted: list[tuple[object, Callable[[str], None] | None]] = []
         self._expected: dict[object, float] = {}  # what answers are awaited, until when
         self._lock = threading.Lock()
+        self._polling = threading.Lock()  # one pass over the agent at a time
+        self._drivers = 0  # callers driving the agent now (drive())
         self._wake = threading.Event()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def post(self, operation: str, local, remote, peer: str, notif: bytes, on_done=None):
-        """Start one transfer (local and remote: transfer descriptor lists)."""
+    def post(
+        self, operation: str, local, remote, peer: str, notif: bytes, on_done=None, wake=True
+    ):
+        """Start one transfer (local and remote: transfer descriptor lists). wake=False:
+        the caller drives the agent next (drive()), the thread is left asleep."""
         agent = self.agent
         handle = agent.initialize_xfer(operation, local, remote, peer, notif)
         state = agent.transfer(handle)
@@ -200,13 +215,15 @@ class Progress:
             raise ConnectionError(f"NIXL transfer to {peer} failed to start")
         with self._lock:
             self._posted.append((handle, on_done))
-        self._wake.set()
+        if wake and not self._drivers:
+            self._wake.set()
 
     def expect(self, key, deadline: float) -> None:
         """An answer for `key` is awaited until `deadline` (time.monotonic()): poll
         for it however long it takes (see WAIT_POLL_S)."""
         with self._lock:
             self._expected[key] = deadline
+        self._wake.set()
 
     def settle(self, key) -> None:
         """The answer for `key` came, or is no longer awaited."""
@@ -220,58 +237,100 @@ class Progress:
                 del self._expected[k]
             return bool(self._expected)
 
-    def notify(self, peer: str, message: bytes) -> None:
+    def notify(self, peer: str, message: bytes, wake=True) -> None:
         self.agent.send_notif(peer, message)
-        self._wake.set()
+        if wake and not self._drivers:
+            self._wake.set()
+
+    def drive(self, done: Callable[[], bool], until: float) -> bool:
+        """Poll the agent on this thread until done() (-> True) or time.monotonic()
+        reaches `until` (-> done()), yielding the interpreter lock and the CPU between passes."""
+        with self._lock:
+            self._drivers += 1
+        try:
+            while not done():
+                if time.monotonic() >= until or self._stop:
+                    return done()
+                self.poll()
+                os.sched_yield()
+            return True
+        finally:
+            with self._lock:
+                self._drivers -= 1
+                left = bool(self._posted or self._expected)
+            if left:  # the thread takes over what is still out
+                self._wake.set()
+
+    def poll(self) -> bool:
+        """One pass over the agent (any thread; False at once while another thread
+        makes one) -> whether anything came or completed."""
+        if not self._polling.acquire(blocking=False):
+            return False
+        try:
+            return self._pass()
+        finally:
+            self._polling.release()
+
+    def _pass(self) -> bool:
+        agent = self.agent
+        busy = False
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception as e:  # a peer's connection broke: its calls fail elsewhere
+            log.debug("NIXL notifications: %s", e)
+            notifs = {}
+        for peer, messages in notifs.items():
+            for message in messages:
+                busy = True
+                try:
+                    self.on_notif(peer, message)
+                except Exception:
+                    log.exception("NIXL notification from %s", peer)
+        with self._lock:
+            posted = list(self._posted)
+        if posted:
+            busy = True
+            done = []
+            for entry in posted:
+                handle, on_done = entry
+                try:
+                    state = agent.check_xfer_state(handle)
+                except Exception:
+                    state = "ERR"
+                if state == "PROC":
+                    continue
+                done.append(entry)
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+                if on_done is not None:
+                    try:
+                        on_done(state)
+                    except Exception:
+                        log.exception("NIXL transfer completion")
+            if done:
+                with self._lock:
+                    self._posted = [e for e in self._posted if e not in done]
+        return busy
 
     def _run(self) -> None:
-        agent = self.agent
         _fine_timer()
         idle_since = time.monotonic()
         nap = self.NAP_S
         while not self._stop:
-            busy = False
-            try:
-                notifs = agent.get_new_notifs()
-            except Exception as e:  # a peer's connection broke: its calls fail elsewhere
-                log.debug("NIXL notifications: %s", e)
-                notifs = {}
-            for peer, messages in notifs.items():
-                for message in messages:
-                    busy = True
-                    try:
-                        self.on_notif(peer, message)
-                    except Exception:
-                        log.exception("NIXL notification from %s", peer)
-            with self._lock:
-                posted = list(self._posted)
-            if posted:
-                busy = True
-                done = []
-                for entry in posted:
-                    handle, on_done = entry
-                    try:
-                        state = agent.check_xfer_state(handle)
-                    except Exception:
-                        state = "ERR"
-                    if state == "PROC":
-                        continue
-                    done.append(entry)
-                    with contextlib.suppress(Exception):
-                        agent.release_xfer_handle(handle)
-                    if on_done is not None:
-                        try:
-                            on_done(state)
-                        except Exception:
-                            log.exception("NIXL transfer completion")
-                if done:
-                    with self._lock:
-                        self._posted = [e for e in self._posted if e not in done]
-            now = time.monotonic()
+            if self._drivers:  # a caller polls: stay out of its way
+                self._wake.wait(self.DRIVEN_NAP_S)
+                self._wake.clear()
+                idle_since, nap = time.monotonic(), self.NAP_S  # then poll as if busy
+                continue
+            busy = self.poll()
+            now = time.monotonic()  # after the pass: a forward may have run in it
             if busy:
                 idle_since, nap = now, self.NAP_S
                 continue
             quiet = now - idle_since
+            if quiet < self.SPIN_S:
+                os.sched_yield()
+                continue
             if quiet < self.HOT_S or self._awaited(now):
                 self._wake.wait(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))
                 self._wake.clear()
