@@ -136,14 +136,17 @@ class ClientAgent:
         # a device slot's memory is torch's: it goes back to the caching allocator only
         # once NIXL no longer has it registered (the thread holds the last references)
         mems = [slot.mem for slot in lease.slots if slot.mem is not None]
+        handles = [slot.handles for slot in lease.slots]
         threading.Thread(
             target=self._release,
-            args=(lease.peer, lease.reg, mems),
+            args=(lease.peer, lease.reg, mems, handles),
             name="expertd-nixl-drop",
             daemon=True,
         ).start()
 
-    def _release(self, peer: str, reg, mems=()) -> None:
+    def _release(self, peer: str, reg, mems=(), handles=()) -> None:
+        for kept in handles:
+            kept.close()
         if peer:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(peer)
@@ -209,6 +212,7 @@ class NixlSlot:
             self.reading = False
         self.remote_addr = 0
         self.remote_device = 0
+        self.handles = nixl.Handles(lease.owner.progress)
         self.seq = 0
         self.rows = 0
         self.channel: NixlChannel | None = None
@@ -237,7 +241,7 @@ class NixlSlot:
         m = self._gather(x_bits, tokens, ids, w) if self.on_device else None
         if m is None:
             m = fill_rows(self, x_bits, tokens, ids, w)
-        k, lay, h = ids.shape[1], self.layout, self.layout.hidden
+        k = ids.shape[1]
         self.rows = m
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         self._answer = None
@@ -253,23 +257,10 @@ class NixlSlot:
             progress.expect(self, time.monotonic() + timeout)
         try:
             if m:
-                spans = [
-                    (lay.x_offset, 2 * m * h),
-                    (lay.ids_offset, 4 * m * k),
-                    (lay.weights_offset, 4 * m * k),
-                ]
-                local = agent.get_xfer_descs(
-                    [(self.addr + o, n, self.device_id) for o, n in spans], self.memory
-                )
-                remote = agent.get_xfer_descs(
-                    [(self.remote_addr + o, n, self.remote_device) for o, n in spans],
-                    self.memory,
-                )
                 seq = self.seq
-                progress.post(
-                    "WRITE",
-                    local,
-                    remote,
+                self.handles.send(
+                    (m, k),
+                    lambda: self._handle(agent, lease.peer, m, k),
                     lease.peer,
                     message,
                     lambda s: self._sent(seq, s),
@@ -281,6 +272,23 @@ class NixlSlot:
             self.pending = False
             lease.ended(f"NIXL transfer failed ({e})")
             raise lease.error() from None
+
+    def _handle(self, agent, peer: str, m: int, k: int):
+        """A WRITE of m rows' x, ids and weights into the same offsets of the shard's
+        slot (kept per (m, k) by `handles`)."""
+        lay, h = self.layout, self.layout.hidden
+        spans = [
+            (lay.x_offset, 2 * m * h),
+            (lay.ids_offset, 4 * m * k),
+            (lay.weights_offset, 4 * m * k),
+        ]
+        local = agent.get_xfer_descs(
+            [(self.addr + o, n, self.device_id) for o, n in spans], self.memory
+        )
+        remote = agent.get_xfer_descs(
+            [(self.remote_addr + o, n, self.remote_device) for o, n in spans], self.memory
+        )
+        return agent.initialize_xfer("WRITE", local, remote, peer, b"")
 
     def _gather(self, x, tokens, ids, w) -> int:
         """A device slot's rows and routes into its GPU buffer; returns once they are

@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 from expertd.tracing import NO_CONTEXT
@@ -192,7 +193,8 @@ class Progress:
     def __init__(self, agent, on_notif: Callable[[str, bytes], None], name: str) -> None:
         self.agent = agent
         self.on_notif = on_notif
-        self._posted: list[tuple[object, Callable[[str], None] | None]] = []
+        # (handle, on_done, kept): transfers posted and not yet seen complete
+        self._posted: list[tuple[object, Callable[[str], None] | None, bool]] = []
         self._expected: dict[object, float] = {}  # what answers are awaited, until when
         self._lock = threading.Lock()
         self._polling = threading.Lock()  # one pass over the agent at a time
@@ -202,21 +204,60 @@ class Progress:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def post(
-        self, operation: str, local, remote, peer: str, notif: bytes, on_done=None, wake=True
-    ):
+    def post(self, operation: str, local, remote, peer: str, notif: bytes, on_done=None, wake=True):
         """Start one transfer (local and remote: transfer descriptor lists). wake=False:
         the caller drives the agent next (drive()), the thread is left asleep."""
-        agent = self.agent
-        handle = agent.initialize_xfer(operation, local, remote, peer, notif)
-        state = agent.transfer(handle)
+        handle = self.agent.initialize_xfer(operation, local, remote, peer, notif)
+        self.send(handle, peer, notif, on_done, wake)
+
+    def send(self, handle, peer: str, notif: bytes, on_done=None, wake=True, kept=False):
+        """Post the transfer `handle` with this notification; kept: a handle of a
+        Handles cache, posted again (not released once complete)."""
+        state = self.agent.transfer(handle, notif)
         if state == "ERR":
-            agent.release_xfer_handle(handle)
+            if not kept:
+                self.agent.release_xfer_handle(handle)
             raise ConnectionError(f"NIXL transfer to {peer} failed to start")
         with self._lock:
-            self._posted.append((handle, on_done))
+            self._posted.append((handle, on_done, kept))
         if wake and not self._drivers:
             self._wake.set()
+
+    def idle(self, handle) -> bool:
+        """No transfer of `handle` is under way (one found complete now is finished
+        here), so it may be posted again."""
+        with self._lock:
+            entry = next((e for e in self._posted if e[0] is handle), None)
+        if entry is None:
+            return True
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception:
+            state = "ERR"
+        if state == "PROC":
+            return False
+        self._finish(entry, state)
+        return True
+
+    def _finish(self, entry, state: str) -> None:
+        """A posted transfer ended: whichever thread takes it off the list first
+        releases its handle (unless kept) and tells its owner."""
+        with self._lock:
+            for i, e in enumerate(self._posted):
+                if e is entry:
+                    del self._posted[i]
+                    break
+            else:
+                return
+        handle, on_done, kept = entry
+        if not kept:
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+        if on_done is not None:
+            try:
+                on_done(state)
+            except Exception:
+                log.exception("NIXL transfer completion")
 
     def expect(self, key, deadline: float) -> None:
         """An answer for `key` is awaited until `deadline` (time.monotonic()): poll
@@ -290,26 +331,13 @@ class Progress:
             posted = list(self._posted)
         if posted:
             busy = True
-            done = []
             for entry in posted:
-                handle, on_done = entry
                 try:
-                    state = agent.check_xfer_state(handle)
+                    state = agent.check_xfer_state(entry[0])
                 except Exception:
                     state = "ERR"
-                if state == "PROC":
-                    continue
-                done.append(entry)
-                with contextlib.suppress(Exception):
-                    agent.release_xfer_handle(handle)
-                if on_done is not None:
-                    try:
-                        on_done(state)
-                    except Exception:
-                        log.exception("NIXL transfer completion")
-            if done:
-                with self._lock:
-                    self._posted = [e for e in self._posted if e not in done]
+                if state != "PROC":
+                    self._finish(entry, state)
         return busy
 
     def _run(self) -> None:
@@ -345,3 +373,47 @@ class Progress:
         self._wake.set()
         if wait and threading.current_thread() is not self.thread:
             self.thread.join(timeout=2)
+
+
+class Handles:
+    """One slot's transfer handles, kept by the call's shape and posted again with
+    each call's notification: a call then builds no descriptor lists and no handle
+    (NIXL lets a handle be re-posted once its last transfer is complete). At most
+    KEEP per slot; a shape whose handle is still under way, or that finds every kept
+    one busy, gets a handle of its own for the call."""
+
+    KEEP = 4
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self._kept: OrderedDict[object, object] = OrderedDict()
+
+    def send(
+        self, key, make: Callable[[], object], peer: str, notif: bytes, on_done=None, wake=True
+    ):
+        """Post the transfer of shape `key` (make() builds its handle when none is
+        kept) with this notification."""
+        progress = self.progress
+        handle = self._kept.get(key)
+        if handle is not None and progress.idle(handle):
+            self._kept.move_to_end(key)
+            progress.send(handle, peer, notif, on_done, wake, kept=True)
+            return
+        if handle is None and len(self._kept) >= self.KEEP:
+            old_key, old = next(iter(self._kept.items()))
+            if progress.idle(old):
+                del self._kept[old_key]
+                with contextlib.suppress(Exception):
+                    progress.agent.release_xfer_handle(old)
+        kept = handle is None and len(self._kept) < self.KEEP
+        fresh = make()
+        if kept:
+            self._kept[key] = fresh
+        progress.send(fresh, peer, notif, on_done, wake, kept=kept)
+
+    def close(self) -> None:
+        """Release every kept handle (the lease is over: none is posted again)."""
+        kept, self._kept = list(self._kept.values()), OrderedDict()
+        for handle in kept:
+            with contextlib.suppress(Exception):
+                self.progress.agent.release_xfer_handle(handle)

@@ -88,6 +88,7 @@ class RemoteSlot:
             self._w = torch.empty(n, dtype=torch.float32).pin_memory()
         self.peer_addr = peer_region.address
         self.peer_device = peer_region.device_id
+        self.handles = nixl.Handles(lease.registry.progress)
         self.lock = threading.Lock()
         self.busy = False
         self.seq = 0
@@ -148,19 +149,26 @@ class RemoteSlot:
                 if n:
                     if not placed:  # a device slot's rows are there already (the runner)
                         self.buf[off : off + data.shape[0]] = data
-                    agent = lease.registry.agent
-                    size = data.shape[0]
-                    local = agent.get_xfer_descs(
-                        [(self.addr + off, size, self.device_id)], self.memory
+                    self.handles.send(
+                        n,
+                        lambda: self._handle(lease.registry.agent, data.shape[0]),
+                        lease.peer,
+                        message,
                     )
-                    remote = agent.get_xfer_descs(
-                        [(self.peer_addr + off, size, self.peer_device)], lease.memory
-                    )
-                    lease.registry.progress.post("WRITE", local, remote, lease.peer, message)
                 else:
                     lease.registry.progress.notify(lease.peer, message)
             except Exception as e:  # the client's agent is gone: its lease ends
                 log.info("answer to %s not sent: %s", lease.peer, e)
+
+    def _handle(self, agent, size: int):
+        """A WRITE of `size` bytes of the output region into the client's (kept per
+        row count by `handles`)."""
+        off = self.layout.out_offset
+        local = agent.get_xfer_descs([(self.addr + off, size, self.device_id)], self.memory)
+        remote = agent.get_xfer_descs(
+            [(self.peer_addr + off, size, self.peer_device)], self.lease.memory
+        )
+        return agent.initialize_xfer("WRITE", local, remote, self.lease.peer, b"")
 
     def write_error(self, code: grpc.StatusCode, message: str) -> None:
         with self.lock:
@@ -360,6 +368,8 @@ class RemoteRegistry:
             with slot.lock:
                 slot.busy = False
         agent = self.agent
+        for slot in lease.slots:
+            slot.handles.close()
         with contextlib.suppress(Exception):
             agent.remove_remote_agent(lease.peer)
         if lease.memory == nixl.DEVICE:  # no batch may still copy into a device slot
