@@ -238,10 +238,12 @@ class NixlSlot:
     ):
         """Write one call's rows and send them with the call (see shm.Slot.start).
         x_bits: uint16 [M, H] host bits, or for a device slot the caller's bf16 tensor."""
-        m = self._gather(x_bits, tokens, ids, w) if self.on_device else None
+        k = ids.shape[1]
+        inline = nixl.routes_inline(ids.shape[0], k)
+        m = self._gather(x_bits, tokens, ids, w, inline) if self.on_device else None
         if m is None:
             m = fill_rows(self, x_bits, tokens, ids, w)
-        k = ids.shape[1]
+        routes = nixl.inline_routes(ids, w) if inline else b""
         self.rows = m
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         self._answer = None
@@ -250,7 +252,7 @@ class NixlSlot:
         self.sent_at = time.monotonic()
         lease = self.lease
         timeout_us = max(int(timeout * 1e6), 1)
-        message = nixl.pack_call(self.index, self.seq, layer, m, k, timeout_us, 0, trace)
+        message = nixl.pack_call(self.index, self.seq, layer, m, k, timeout_us, 0, trace, routes)
         agent = lease.owner.agent
         progress = lease.owner.progress
         if notify:  # no thread of the caller's waits (drives the agent): the thread polls
@@ -274,14 +276,12 @@ class NixlSlot:
             raise lease.error() from None
 
     def _handle(self, agent, peer: str, m: int, k: int):
-        """A WRITE of m rows' x, ids and weights into the same offsets of the shard's
-        slot (kept per (m, k) by `handles`)."""
+        """A WRITE of m rows' x, and of their ids and weights unless the CALL carries
+        them, into the same offsets of the shard's slot (kept per (m, k) by `handles`)."""
         lay, h = self.layout, self.layout.hidden
-        spans = [
-            (lay.x_offset, 2 * m * h),
-            (lay.ids_offset, 4 * m * k),
-            (lay.weights_offset, 4 * m * k),
-        ]
+        spans = [(lay.x_offset, 2 * m * h)]
+        if not nixl.routes_inline(m, k):
+            spans += [(lay.ids_offset, 4 * m * k), (lay.weights_offset, 4 * m * k)]
         local = agent.get_xfer_descs(
             [(self.addr + o, n, self.device_id) for o, n in spans], self.memory
         )
@@ -290,18 +290,20 @@ class NixlSlot:
         )
         return agent.initialize_xfer("WRITE", local, remote, peer, b"")
 
-    def _gather(self, x, tokens, ids, w) -> int:
-        """A device slot's rows and routes into its GPU buffer; returns once they are
-        there (NIXL reads the memory as it is, after no stream) -> m."""
+    def _gather(self, x, tokens, ids, w, inline: bool) -> int:
+        """A device slot's rows, and its routes unless the CALL carries them, into its
+        GPU buffer; returns once they are there (NIXL reads the memory as it is, after
+        no stream) -> m."""
         m, k = ids.shape
         self.layout.check(m, k)
         gather_rows(self, x, tokens, m)
-        if m:
+        if m and not inline:
             n = m * k
             self.ids_pin[:n].numpy()[:] = ids.reshape(-1)
             self.w_pin[:n].numpy()[:] = w.reshape(-1)
             copy_into(self.stream, self.ids_dev[:n], self.ids_pin[:n])
             copy_into(self.stream, self.w_dev[:n], self.w_pin[:n])
+        if m:
             self.stream.synchronize()
         return m
 

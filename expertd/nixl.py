@@ -29,6 +29,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
+
 from expertd.tracing import NO_CONTEXT
 
 log = logging.getLogger("expertd.nixl")
@@ -44,6 +46,10 @@ ANSWER = b"A"
 # span: trace_hi, trace_lo, span_id (u64; 0: none), trace_flags (u32)
 # (expertd.tracing.context_fields)
 _CALL = struct.Struct("<5I2Q3QI")
+# A CALL whose routes take at most ROUTES_INLINE bytes carries them after its fields
+# (ids int32 [m, k], then weights fp32 [m, k]); its WRITE then moves x alone, and a
+# GPU slot's routes make no trip through GPU memory at either end
+ROUTES_INLINE = 16384
 # ANSWER: slot, seq (u32), status (i32), out_rows (u32), queue, compute, total, stage,
 # device (u64, us), batch_requests, batch_tokens (u32); then the error text (UTF-8)
 _ANSWER = struct.Struct("<2IiI5Q2I")
@@ -125,16 +131,53 @@ def _quiet():
 
 
 def pack_call(
-    slot: int, seq: int, layer: int, m: int, k: int, timeout_us: int, rid: int, trace=NO_CONTEXT
+    slot: int,
+    seq: int,
+    layer: int,
+    m: int,
+    k: int,
+    timeout_us: int,
+    rid: int,
+    trace=NO_CONTEXT,
+    routes: bytes = b"",
 ):
-    """trace: the caller's span as expertd.tracing.context_fields gives it."""
-    return CALL + _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1), *trace)
+    """trace: the caller's span as expertd.tracing.context_fields gives it; routes:
+    the call's ids and weights (`inline_routes`), or b"" when the WRITE carries them."""
+    fields = _CALL.pack(slot, seq, layer, m, k, timeout_us, rid & (2**64 - 1), *trace)
+    return CALL + fields + routes
+
+
+def routes_inline(m: int, k: int) -> bool:
+    """Do a call's routes travel in its CALL notification?"""
+    return 0 < 8 * m * k <= ROUTES_INLINE
+
+
+def inline_routes(ids, w) -> bytes:
+    """ids [m, k] and weights [m, k] (numpy) as a CALL carries them."""
+    return (
+        np.ascontiguousarray(ids, np.int32).tobytes()
+        + np.ascontiguousarray(w, np.float32).tobytes()
+    )
+
+
+def call_routes(msg: bytes, m: int, k: int):
+    """The routes a CALL carries -> (ids int32 [m, k], weights fp32 [m, k]) numpy
+    copies, or None when it carries none; ValueError when its length fits neither."""
+    extra = len(msg) - 1 - _CALL.size
+    if extra == 0:
+        return None
+    if extra != 8 * m * k or not routes_inline(m, k):
+        raise ValueError("malformed call notification")
+    start = 1 + _CALL.size
+    ids = np.frombuffer(msg, np.int32, m * k, start).reshape(m, k).copy()
+    w = np.frombuffer(msg, np.float32, m * k, start + 4 * m * k).reshape(m, k).copy()
+    return ids, w
 
 
 def unpack_call(msg: bytes) -> tuple:
     """-> (slot, seq, layer, m, k, timeout_us, request_id, trace_hi, trace_lo, span_id,
     trace_flags); ValueError when malformed."""
-    if msg[:1] != CALL or len(msg) != 1 + _CALL.size:
+    if msg[:1] != CALL or len(msg) < 1 + _CALL.size:
         raise ValueError("malformed call notification")
     return _CALL.unpack_from(msg, 1)
 

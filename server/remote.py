@@ -110,9 +110,10 @@ class RemoteSlot:
         """No call of this transport waits on a CUDA stream of its client."""
         return None
 
-    def inputs(self, m: int, k: int, hidden: int):
+    def inputs(self, m: int, k: int, hidden: int, routes=None):
         """The call's x (a view of the slot: host or device), ids and weights (host
-        tensors; on a device slot, copies taken down from it)."""
+        tensors: the CALL's `routes` when it carried them; else views of a host slot,
+        or on a device slot copies taken down from it)."""
         lay = self.layout
         if m == 0:
             return (
@@ -122,6 +123,9 @@ class RemoteSlot:
             )
         raw = torch.from_numpy(self.buf) if self.device is None else self.buf
         x = raw[lay.x_offset : lay.x_offset + 2 * m * hidden].view(torch.bfloat16)
+        if routes is not None:
+            ids, w = routes
+            return x.view(m, hidden), torch.from_numpy(ids), torch.from_numpy(w)
         ids = raw[lay.ids_offset : lay.ids_offset + 4 * m * k].view(torch.int32)
         w = raw[lay.weights_offset : lay.weights_offset + 4 * m * k].view(torch.float32)
         if self.device is not None:
@@ -391,6 +395,7 @@ class RemoteRegistry:
             return
         try:
             index, seq, layer, m, k, timeout_us, rid, *trace = nixl.unpack_call(message)
+            routes = nixl.call_routes(message, m, k)
         except ValueError:
             log.info("malformed notification from %s ignored", peer)
             return
@@ -413,19 +418,32 @@ class RemoteRegistry:
             return
         received = time.perf_counter_ns()
         self.servicer.take_slot_call(
-            slot, lease.lease_id, self._take, slot, layer, m, k, timeout_us, rid, received, trace
+            slot,
+            lease.lease_id,
+            self._take,
+            slot,
+            layer,
+            m,
+            k,
+            timeout_us,
+            rid,
+            received,
+            trace,
+            routes,
         )
 
-    def _take(self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received, trace) -> None:
+    def _take(
+        self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received, trace, routes
+    ) -> None:
         lay = slot.layout
         bank = self.servicer.admit()
         if m > lay.max_tokens:
             raise invalid(f"m = {m} rows exceed the slot's {lay.max_tokens}")
         if m and not 1 <= k <= lay.top_k:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
-        x, ids, w = slot.inputs(m, k, lay.hidden)
-        if slot.device is None:  # checked values stay checked (a device slot's are copies)
-            ids, w = ids.clone(), w.clone()
+        x, ids, w = slot.inputs(m, k, lay.hidden, routes)
+        if slot.device is None and routes is None:  # checked values stay checked (the
+            ids, w = ids.clone(), w.clone()  # CALL's and a device slot's are copies)
         self.servicer.run_slot_call(slot, bank, layer, x, ids, w, timeout_us, rid, received, trace)
 
     def close(self) -> None:
