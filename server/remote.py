@@ -417,20 +417,8 @@ class RemoteRegistry:
                 self.progress.notify(peer, answer)
             return
         received = time.perf_counter_ns()
-        self.servicer.take_slot_call(
-            slot,
-            lease.lease_id,
-            self._take,
-            slot,
-            layer,
-            m,
-            k,
-            timeout_us,
-            rid,
-            received,
-            trace,
-            routes,
-        )
+        call = (slot, layer, m, k, timeout_us, rid, received, trace, routes)
+        self.servicer.take_slot_call(slot, lease.lease_id, self._take, *call)
 
     def _take(
         self, slot: RemoteSlot, layer, m, k, timeout_us, rid, received, trace, routes
