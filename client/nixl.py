@@ -11,11 +11,13 @@ shard, and its end from the shard's side (stopped, restarted, gone) fails the
 calls in flight at once with UNAVAILABLE, so the caller fails over as on gRPC.
 
 A call: the routed rows go straight into the slot's input regions (one gather),
-then one NIXL WRITE of x, ids and weights into the shard's slot with a CALL
-notification. The shard WRITEs the partial into the slot's output region with an
-ANSWER notification (sequence number, status, timing); the progress thread hands
-it to the waiter: a threading.Event for the caller's thread, a future on an event
-loop. The partial is read where it lies until the caller releases the slot.
+then one NIXL WRITE of them into the shard's slot (through a handle the slot keeps
+for that shape) with a CALL notification that carries the routes when they are
+small (else the WRITE does). The shard WRITEs the partial into the slot's output
+region with an ANSWER notification (sequence number, status, timing). A caller
+waiting on its thread polls the agent itself for it (`Progress.drive`); otherwise
+the progress thread hands it to the waiter: a threading.Event, or a future on an
+event loop. The partial is read where it lies until the caller releases the slot.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """The cross-host data plane's shared pieces: loading NIXL, one agent per process
-side, the call and answer notifications, and the progress thread.
+side, the call and answer notifications, the progress thread and the transfer
+handles a slot keeps.
 
 Both ends use these: the shard server (server/remote.py) and the client
 (client/nixl.py). docs/dataplane.md ("Across hosts: NIXL") describes the protocol;
 in short, each side registers one region per slot, laid out as a same-host slot
 (expertd/dataplane.py, Layout), and a call is:
 
-    client: rows into its slot's input regions, then one NIXL WRITE of x, ids and
-            weights (m rows) into the shard's slot, with a CALL notification;
+    client: rows into its slot's input regions, then one NIXL WRITE of them (m
+            rows) into the shard's slot, with a CALL notification carrying the
+            routes (ids, weights) when small, else the WRITE carries them too;
     shard:  on the notification (delivered after the data), the normal checks and
             batching; the partial into its slot's output region, then one NIXL WRITE
             of it into the client's slot, with an ANSWER notification (sequence
