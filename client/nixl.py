@@ -46,8 +46,8 @@ WAIT_SLICE_S = 0.02  # the caller's thread checks the lease's end this often
 # long, when the slot's last call was answered within it; longer calls are left to
 # the progress thread (a long forward does not hold a core spinning)
 DRIVE_S = 2e-3
-DEFAULT_TOP_K = 64
-SLOTS = 4  # slots per replica: calls beyond this many at once use gRPC  # routes per row a slot holds when the replica does not say
+DEFAULT_TOP_K = 64  # routes per row a slot holds when the replica does not say
+SLOTS = 4  # slots per replica: calls beyond this many at once use gRPC
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _warned = threading.Event()
 
