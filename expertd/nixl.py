@@ -249,15 +249,10 @@ class Progress:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def post(self, operation: str, local, remote, peer: str, notif: bytes, on_done=None, wake=True):
-        """Start one transfer (local and remote: transfer descriptor lists). wake=False:
-        the caller drives the agent next (drive()), the thread is left asleep."""
-        handle = self.agent.initialize_xfer(operation, local, remote, peer, notif)
-        self.send(handle, peer, notif, on_done, wake)
-
     def send(self, handle, peer: str, notif: bytes, on_done=None, wake=True, kept=False):
-        """Post the transfer `handle` with this notification; kept: a handle of a
-        Handles cache, posted again (not released once complete)."""
+        """Post the transfer `handle` (from initialize_xfer) with this notification;
+        kept: a handle of a Handles cache, posted again (not released once complete);
+        wake=False: the caller drives the agent next (drive()), the thread sleeps on."""
         state = self.agent.transfer(handle, notif)
         if state == "ERR":
             if not kept:
