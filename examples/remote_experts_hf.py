@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -99,14 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     prompts = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     prompts = prompts.to(args.device)
 
-    shards = []
+    shards, threads = [], torch.get_num_threads()
     if args.servers:
         addresses = args.servers.split(",")
     else:
         from expertd.launcher import start_shard, stop_shards, wait_serving
 
+        serve = ["--checkpoint", str(args.checkpoint), "--device", args.device]
+        if args.device == "cpu":
+            # The model and both shards share this host's cores. torch's workers spin for
+            # a while after each parallel op, so three processes each sized for every core
+            # take turns on them: with one core's share each a layer call on two cores
+            # takes a few ms instead of 10-25 ms (docs/models.md).
+            cores = os.cpu_count() or 1
+            serve += ["--torch-threads", str(max(1, cores // 3))]
+            torch.set_num_threads(max(1, cores - 2 * max(1, cores // 3)))
         for shard in range(2):
-            serve = ["--checkpoint", str(args.checkpoint), "--device", args.device]
             shards.append(start_shard([*serve, "--shard", str(shard), "--num-shards", "2"]))
         wait_serving(shards, timeout=600)
         addresses = [s.address for s in shards]
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if shards:
             stop_shards(shards)
+            torch.set_num_threads(threads)  # the local baseline has the cores to itself
     if args.local_baseline:
         local = build_model(args.checkpoint)
         use_local_experts(local, args.checkpoint)
