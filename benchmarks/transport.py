@@ -11,7 +11,9 @@ the client's tensors are on a GPU and the shard offers it; cuda-ipc-stream: the 
 slots with the calls queued on the caller's stream, client/onstream.py) and 1 shard
 (one process holding every expert) or 8 shards (8 processes): the client's end-to-end
 `ExpertClient.forward` time to the caller's stream having the answer (p50, p99), and
-per call when calls are issued back to back and waited for once ("queued"), next to
+per call when calls are issued back to back and waited for once ("queued"), and p50
+when each call follows --gap-us of the caller's own work ("spaced": a frontend's
+attention between two layers, long enough for waiters to go to sleep), next to
 the busiest shard's forward (the
 server's Timing.compute_us of that call: staging, copies, kernels) and the sum of the
 shards' forwards; overhead = e2e - busiest forward, per call. In the same run, the
@@ -347,7 +349,23 @@ def routing(m: int, preset, gen):
     return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
 
 
-def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dict:
+def spaced_us(call, gap_us: float, n: int) -> list[float]:
+    """e2e of `n` calls, each after `gap_us` of host time in which no call is out (the
+    caller busy with its own work, as a frontend between two MoE layers)."""
+    times = []
+    for i in range(n if gap_us > 0 else 0):
+        end = time.perf_counter() + gap_us / 1e6
+        while time.perf_counter() < end:  # busy, as a frontend's host is; a sleep would let
+            pass  # the host idle and time its own wake-up too
+        t0 = time.perf_counter()
+        call(i)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def measure(
+    client: ExpertClient, preset, m: int, reps: int, device: str, gap_us: float = 0.0
+) -> dict:
     gen = torch.Generator().manual_seed(m)
     inputs = []
     for _ in range(4):
@@ -384,13 +402,21 @@ def measure(client: ExpertClient, preset, m: int, reps: int, device: str) -> dic
         torch.cuda.current_stream().synchronize()
     per_call = (time.perf_counter() - t0) * 1e6 / queued
     client.synchronize()
+
+    def one(i: int) -> None:
+        out = client.forward(0, *inputs[i % 4])
+        if out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    spaced = spaced_us(one, gap_us, queued)
+    client.synchronize()
     stats = client.stats()
-    row = _row(m, e2e, busiest, total, overhead, per_call, stats)
+    row = _row(m, e2e, busiest, total, overhead, per_call, stats, spaced)
     row.update(stream_calls=sum(s["stream_calls"] for s in stats.values()), stages_mean_us=stages)
     return row
 
 
-def _row(m: int, e2e, busiest, total, overhead, per_call: float, stats: dict) -> dict:
+def _row(m: int, e2e, busiest, total, overhead, per_call: float, stats: dict, spaced=()) -> dict:
     """One row of results: percentiles of the calls' times (us)."""
     return {
         "M": m,
@@ -401,12 +427,13 @@ def _row(m: int, e2e, busiest, total, overhead, per_call: float, stats: dict) ->
         "overhead_p50_us": pct(overhead, 0.5),
         "overhead_p99_us": pct(overhead, 0.99),
         "queued_per_call_us": per_call,
+        "spaced_e2e_p50_us": pct(spaced, 0.5) if spaced else None,
         "transports": sorted({s["transport"] for s in stats.values()}),
         "slot_memory": sorted({s["slot_memory"] for s in stats.values()} - {""}),
     }
 
 
-def measure_graph(client: ExpertClient, preset, m: int, reps: int) -> dict:
+def measure_graph(client: ExpertClient, preset, m: int, reps: int, gap_us: float = 0.0) -> dict:
     """`measure` for a call captured in a CUDA graph: e2e is one replay and the wait
     for it; the shards' Timing comes from `client.synchronize()` (GraphCalls.check)."""
     gen = torch.Generator().manual_seed(m)
@@ -453,7 +480,14 @@ def measure_graph(client: ExpertClient, preset, m: int, reps: int) -> dict:
     stream.synchronize()
     per_call = (time.perf_counter() - t0) * 1e6 / queued
     client.synchronize()
-    row = _row(m, e2e, busiest, total, overhead, per_call, client.stats())
+
+    def one(i: int) -> None:
+        graph.replay()
+        stream.synchronize()
+
+    spaced = spaced_us(one, gap_us, queued)
+    client.synchronize()
+    row = _row(m, e2e, busiest, total, overhead, per_call, client.stats(), spaced)
     row.update(stream_calls=0, stages_mean_us={})
     return row
 
@@ -548,6 +582,12 @@ def main() -> int:
     ap.add_argument("--ms", default="1,16,256,4096")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--shards", default="1,8")
+    ap.add_argument(
+        "--gap-us",
+        type=float,
+        default=2000.0,
+        help="the caller's own work before each 'spaced' call (0: no spaced calls)",
+    )
     ap.add_argument("--transports", default=None, help="default: grpc,shm (+cuda-ipc on CUDA)")
     ap.add_argument(
         "--kind",
@@ -688,9 +728,11 @@ def run(args, far: Far | None) -> int:
                     for m in ms:
                         row = {"shards": n, "transport": transport}
                         if transport == IN_GRAPH:
-                            row.update(measure_graph(client, preset, m, args.reps))
+                            row.update(measure_graph(client, preset, m, args.reps, args.gap_us))
                         else:
-                            row.update(measure(client, preset, m, args.reps, client_device))
+                            row.update(
+                                measure(client, preset, m, args.reps, client_device, args.gap_us)
+                            )
                         rows.append(row)
                         print(json.dumps(row), flush=True)
         finally:
@@ -708,6 +750,7 @@ def run(args, far: Far | None) -> int:
         "serve_args": args.serve_args,
         "mps": args.mps,
         "reps": args.reps,
+        "gap_us": args.gap_us,
         "floors": floors,
         "rows": rows,
     }
@@ -774,7 +817,7 @@ def print_table(result: dict) -> None:
     print(
         f"\nservice ({result['preset']}), us:\n{'shards':>6} {'transport':>9} {'M':>6} "
         f"{'e2e p50':>8} {'e2e p99':>8} {'fwd max':>8} {'fwd sum':>8} {'ovh p50':>8} "
-        f"{'ovh/TCP':>7} {'queued':>8}"
+        f"{'ovh/TCP':>7} {'queued':>8} {'spaced':>8}"
     )
     for r in result["rows"]:
         queued = r.get("queued_per_call_us")
@@ -784,6 +827,7 @@ def print_table(result: dict) -> None:
             f"{r['sum_forward_p50_us']:8.0f} {r['overhead_p50_us']:8.0f} "
             f"{r['overhead_p50_us'] / tcp[r['M']]:7.2f} "
             + (f"{queued:8.0f}" if queued is not None else f"{'-':>8}")
+            + (f" {spaced:8.0f}" if (spaced := r.get("spaced_e2e_p50_us")) else f" {'-':>8}")
         )
     if not any(r.get("stages_mean_us") for r in result["rows"]):
         return
