@@ -408,11 +408,17 @@ def measure(
         if out.is_cuda:
             torch.cuda.current_stream().synchronize()
 
+    before = client.timings()
     spaced = spaced_us(one, gap_us, queued)
     client.synchronize()
+    spaced_stages = stage_means(before, client.timings()) if spaced else {}
     stats = client.stats()
     row = _row(m, e2e, busiest, total, overhead, per_call, stats, spaced)
-    row.update(stream_calls=sum(s["stream_calls"] for s in stats.values()), stages_mean_us=stages)
+    row.update(
+        stream_calls=sum(s["stream_calls"] for s in stats.values()),
+        stages_mean_us=stages,
+        spaced_stages_mean_us=spaced_stages,
+    )
     return row
 
 
@@ -829,17 +835,19 @@ def print_table(result: dict) -> None:
             + (f"{queued:8.0f}" if queued is not None else f"{'-':>8}")
             + (f" {spaced:8.0f}" if (spaced := r.get("spaced_e2e_p50_us")) else f" {'-':>8}")
         )
-    if not any(r.get("stages_mean_us") for r in result["rows"]):
-        return
-    print(
-        "\nwhere a call goes: the client's stages, mean us per call (client/telemetry.py; "
-        "the server's and the wire's per shard attempt)\n"
-        f"{'shards':>6} {'transport':>9} {'M':>6} " + " ".join(f"{c:>14}" for c in STAGE_COLUMNS)
-    )
-    for r in result["rows"]:
-        st = r.get("stages_mean_us") or {}
-        cells = " ".join(f"{st[c]:14.1f}" if c in st else f"{'-':>14}" for c in STAGE_COLUMNS)
-        print(f"{r['shards']:>6} {r['transport']:>9} {r['M']:>6} {cells}")
+    for key, what in (("stages_mean_us", "a call"), ("spaced_stages_mean_us", "a spaced call")):
+        if not any(r.get(key) for r in result["rows"]):
+            continue
+        print(
+            f"\nwhere {what} goes: the client's stages, mean us per call (client/telemetry.py; "
+            "the server's and the wire's per shard attempt)\n"
+            f"{'shards':>6} {'transport':>9} {'M':>6} "
+            + " ".join(f"{c:>14}" for c in STAGE_COLUMNS)
+        )
+        for r in result["rows"]:
+            st = r.get(key) or {}
+            cells = " ".join(f"{st[c]:14.1f}" if c in st else f"{'-':>14}" for c in STAGE_COLUMNS)
+            print(f"{r['shards']:>6} {r['transport']:>9} {r['M']:>6} {cells}")
 
 
 if __name__ == "__main__":
