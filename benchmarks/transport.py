@@ -13,7 +13,8 @@ slots with the calls queued on the caller's stream, client/onstream.py) and 1 sh
 `ExpertClient.forward` time to the caller's stream having the answer (p50, p99), and
 per call when calls are issued back to back and waited for once ("queued"), and p50
 when each call follows --gap-us of the caller's own work ("spaced": a frontend's
-attention between two layers, long enough for waiters to go to sleep), next to
+attention between two layers, host and GPU busy, long enough for waiters to go
+to sleep), next to
 the busiest shard's forward (the
 server's Timing.compute_us of that call: staging, copies, kernels) and the sum of the
 shards' forwards; overhead = e2e - busiest forward, per call. In the same run, the
@@ -349,18 +350,29 @@ def routing(m: int, preset, gen):
     return top.indices.to(torch.int32), torch.softmax(top.values, dim=1)
 
 
-def spaced_us(call, gap_us: float, n: int) -> list[float]:
-    """e2e of `n` calls, each after `gap_us` of host time in which no call is out (the
-    caller busy with its own work, as a frontend between two MoE layers)."""
+def spaced_us(call, gap_us: float, n: int, gpu: bool = False) -> list[float]:
+    """e2e of `n` calls, each after `gap_us` in which no call is out: the caller's host
+    busy with its own work, as a frontend's between two MoE layers, and with `gpu` its
+    GPU too (a kernel that spins for about as long, waited for before the call: its
+    attention, done), so the GPU keeps the clocks of a busy one."""
     times = []
     for i in range(n if gap_us > 0 else 0):
         end = time.perf_counter() + gap_us / 1e6
+        if gpu:
+            torch.cuda._sleep(int(gap_us * GPU_CYCLES_PER_US))
         while time.perf_counter() < end:  # busy, as a frontend's host is; a sleep would let
             pass  # the host idle and time its own wake-up too
+        if gpu:
+            torch.cuda.current_stream().synchronize()
         t0 = time.perf_counter()
         call(i)
         times.append((time.perf_counter() - t0) * 1e6)
     return times
+
+
+# torch.cuda._sleep spins for a number of GPU cycles: about this many per us on an
+# H100 or H200 under load (1.4-1.98 GHz), so the kernel ends about when the host's gap does
+GPU_CYCLES_PER_US = 1500
 
 
 def measure(
@@ -409,7 +421,7 @@ def measure(
             torch.cuda.current_stream().synchronize()
 
     before = client.timings()
-    spaced = spaced_us(one, gap_us, queued)
+    spaced = spaced_us(one, gap_us, queued, gpu=device == "cuda")
     client.synchronize()
     spaced_stages = stage_means(before, client.timings()) if spaced else {}
     stats = client.stats()
@@ -491,7 +503,7 @@ def measure_graph(client: ExpertClient, preset, m: int, reps: int, gap_us: float
         graph.replay()
         stream.synchronize()
 
-    spaced = spaced_us(one, gap_us, queued)
+    spaced = spaced_us(one, gap_us, queued, gpu=True)
     client.synchronize()
     row = _row(m, e2e, busiest, total, overhead, per_call, client.stats(), spaced)
     row.update(stream_calls=0, stages_mean_us={})
