@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.checkpoint).to(args.device)
         with ExpertClient(addresses, timeout=60) as client:
             layers = use_remote_experts(model, client)  # step 2: the swap
-            greedy(model, prompts, 2)  # first calls: connections, data plane leases
+            # A first generation of the same length: connections, data plane leases and,
+            # on a GPU, the attention kernels' setup for each new sequence length, which
+            # costs tens of ms apiece the first time (docs/models.md)
+            greedy(model, prompts, args.new_tokens)
             start = time.perf_counter()
             tokens = greedy(model, prompts, args.new_tokens)  # step 3
             seconds = time.perf_counter() - start
@@ -135,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data plane per shard: {[s['transport'] for s in stats]}")
         if args.device == "cuda" and not args.servers and cudamem.mps_control_pipe() is None:
             print(
-                "no MPS daemon: the model and the shards time-slice the GPU, tens of ms a "
-                'layer call (docs/operations.md, "Several processes on one GPU: MPS")'
+                "no MPS daemon: the model and the shards time-slice the GPU, which slows "
+                'each layer call (docs/operations.md, "Several processes on one GPU: MPS")'
             )
     finally:
         if shards:
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         local = build_model(args.checkpoint)
         use_local_experts(local, args.checkpoint)
         local.to(args.device)
-        greedy(local, prompts, 2)
+        greedy(local, prompts, args.new_tokens)  # the same first generation
         start = time.perf_counter()
         want = greedy(local, prompts, args.new_tokens)
         local_seconds = time.perf_counter() - start
