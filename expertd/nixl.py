@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from expertd import dataplane as dp
 from expertd.tracing import NO_CONTEXT
 
 log = logging.getLogger("expertd.nixl")
@@ -217,7 +218,11 @@ class Progress:
 
     Its thread polls without sleeping for SPIN_S after any activity, then often while
     an answer is awaited, and otherwise sleeps in naps, so an idle shard costs little
-    CPU. A thread that waits for an answer can drive the agent itself (`drive`): it
+    CPU. With `keep_pace` (a shard with spare CPUs, as its shm waiters) it also keeps
+    the pace of calls that come at a steady rate (a decode loop's layers, the
+    caller's own work between them): it sleeps until NEXT_EARLY_S before the next
+    call is due (the shortest recent quiet time that ended in activity, if under
+    NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes. A thread that waits for an answer can drive the agent itself (`drive`): it
     sees its answer without a hand-over from this thread, which meanwhile stays out of
     the way (two threads polling one agent take the interpreter lock from each other).
     """
@@ -234,9 +239,22 @@ class Progress:
     NAP_S = 100e-6  # then naps, doubling up to MAX_NAP_S
     MAX_NAP_S = 1e-3
     DRIVEN_NAP_S = 1e-3  # the thread's naps while a caller drives the agent
+    # keep_pace: up early by NEXT_EARLY_S, polling until NEXT_EARLY_S + NEXT_SPIN_S past due
+    # (server/slots.py's waiters use the same figures)
+    NEXT_EARLY_S = 100e-6
+    NEXT_SPIN_S = 50e-6
+    NEXT_MAX_S = 5e-3
 
-    def __init__(self, agent, on_notif: Callable[[str, bytes], None], name: str) -> None:
+    def __init__(
+        self,
+        agent,
+        on_notif: Callable[[str, bytes], None],
+        name: str,
+        keep_pace: bool = False,
+    ) -> None:
         self.agent = agent
+        # quiet times that ended in activity (a call's arrival), when keeping pace
+        self.gaps = dp.Recent() if keep_pace else None
         self.on_notif = on_notif
         # (handle, on_done, kept): transfers posted and not yet seen complete
         self._posted: list[tuple[object, Callable[[str], None] | None, bool]] = []
@@ -384,20 +402,32 @@ class Progress:
         _fine_timer()
         idle_since = time.monotonic()
         nap = self.NAP_S
+        gaps = self.gaps
         while not self._stop:
             if self._drivers:  # a caller polls: stay out of its way
                 self._wake.wait(self.DRIVEN_NAP_S)
                 self._wake.clear()
                 idle_since, nap = time.monotonic(), self.NAP_S  # then poll as if busy
                 continue
+            began = time.monotonic()
             busy = self.poll()
             now = time.monotonic()  # after the pass: a forward may have run in it
             if busy:
+                if gaps is not None and began - idle_since > self.SPIN_S:
+                    gaps.add(began - idle_since)  # (a call's own exchange is spun through)
                 idle_since, nap = now, self.NAP_S
                 continue
             quiet = now - idle_since
             if quiet < self.SPIN_S:
                 os.sched_yield()
+                continue
+            due = gaps.low() if gaps is not None else 0.0
+            if 0.0 < due < self.NEXT_MAX_S and quiet < due + self.NEXT_SPIN_S:
+                if quiet < due - self.NEXT_EARLY_S:  # asleep until shortly before it is due
+                    self._wake.wait(due - self.NEXT_EARLY_S - quiet)
+                    self._wake.clear()
+                else:
+                    os.sched_yield()
                 continue
             if quiet < self.HOT_S or self._awaited(now):
                 self._wake.wait(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))

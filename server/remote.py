@@ -219,7 +219,9 @@ class RemoteRegistry:
     def _start(self) -> None:
         if self.agent is None:
             self.agent = nixl.make_agent("shard")
-            self.progress = nixl.Progress(self.agent, self._on_notif, "expertd-nixl")
+            self.progress = nixl.Progress(
+                self.agent, self._on_notif, "expertd-nixl", keep_pace=dp.spare_cpus()
+            )
 
     # -- registration (off the event loop: NIXL calls block) ----------------------------
 

@@ -78,3 +78,31 @@ def test_a_shape_posted_again_before_its_last_transfer_is_seen_done(pair):
     assert done == ["DONE"] * 5
     assert len(handles._kept) == 1
     handles.close()
+
+
+def test_a_pacing_thread_learns_the_gap_between_calls():
+    """A shard's progress thread that keeps pace records how long it was quiet before
+    each call came; calls spaced by 3 ms teach it a gap of at least that (not the
+    short quiet times inside a call), and one that does not keep pace records none."""
+    a, b = nixl.make_agent("test-pace-a"), nixl.make_agent("test-pace-b")
+    peer = a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    got: list[bytes] = []
+    pacing = nixl.Progress(b, lambda _peer, m: got.append(m), "test-pace", keep_pace=True)
+    plain = nixl.Progress(a, lambda *_: None, "test-plain")
+    try:
+        assert plain.gaps is None
+        for i in range(8):
+            a.send_notif(peer, b"call %d" % i)
+            deadline = time.monotonic() + 10
+            while len(got) <= i:
+                assert time.monotonic() < deadline, f"call {i} not seen"
+                time.sleep(1e-4)
+            end = time.monotonic() + 3e-3
+            while time.monotonic() < end:  # the caller's own work between two layers
+                pass
+        low = pacing.gaps.low()
+        assert 2.5e-3 <= low, f"learned gap {low * 1e3:.2f} ms"
+    finally:
+        pacing.stop()
+        plain.stop()
