@@ -222,7 +222,8 @@ class Progress:
     the pace of calls that come at a steady rate (a decode loop's layers, the
     caller's own work between them): it sleeps until NEXT_EARLY_S before the next
     call is due (the shortest recent quiet time that ended in activity, if under
-    NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes. A thread that waits for an answer can drive the agent itself (`drive`): it
+    NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes.
+    A thread that waits for an answer can drive the agent itself (`drive`): it
     sees its answer without a hand-over from this thread, which meanwhile stays out of
     the way (two threads polling one agent take the interpreter lock from each other).
     """
