@@ -221,7 +221,7 @@ class Progress:
     CPU. With `keep_pace` (a shard with spare CPUs, as its shm waiters) it also keeps
     the pace of calls that come at a steady rate (a decode loop's layers, the
     caller's own work between them): it sleeps until NEXT_EARLY_S before the next
-    call is due (the shortest recent quiet time that ended in activity, if under
+    call is due (the shortest recent quiet time that ended in a call, if under
     NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes.
     A thread that waits for an answer can drive the agent itself (`drive`): it
     sees its answer without a hand-over from this thread, which meanwhile stays out of
@@ -254,8 +254,9 @@ class Progress:
         keep_pace: bool = False,
     ) -> None:
         self.agent = agent
-        # quiet times that ended in activity (a call's arrival), when keeping pace
+        # quiet times that ended in a notification (a call's arrival), when keeping pace
         self.gaps = dp.Recent() if keep_pace else None
+        self._arrivals = 0  # notifications taken so far
         self.on_notif = on_notif
         # (handle, on_done, kept): transfers posted and not yet seen complete
         self._posted: list[tuple[object, Callable[[str], None] | None, bool]] = []
@@ -382,6 +383,7 @@ class Progress:
         for peer, messages in notifs.items():
             for message in messages:
                 busy = True
+                self._arrivals += 1
                 try:
                     self.on_notif(peer, message)
                 except Exception:
@@ -410,12 +412,14 @@ class Progress:
                 self._wake.clear()
                 idle_since, nap = time.monotonic(), self.NAP_S  # then poll as if busy
                 continue
-            began = time.monotonic()
+            began, arrivals = time.monotonic(), self._arrivals
             busy = self.poll()
             now = time.monotonic()  # after the pass: a forward may have run in it
             if busy:
-                if gaps is not None and began - idle_since > self.SPIN_S:
-                    gaps.add(began - idle_since)  # (a call's own exchange is spun through)
+                # a call's arrival after a quiet time (not a transfer of its own ending)
+                quiet = began - idle_since
+                if gaps is not None and self._arrivals != arrivals and quiet > self.SPIN_S:
+                    gaps.add(quiet)
                 idle_since, nap = now, self.NAP_S
                 continue
             quiet = now - idle_since

@@ -82,11 +82,15 @@ def test_a_shape_posted_again_before_its_last_transfer_is_seen_done(pair):
 
 def test_a_pacing_thread_learns_the_gap_between_calls():
     """A shard's progress thread that keeps pace records how long it was quiet before
-    each call came; calls spaced by 3 ms teach it a gap of at least that (not the
-    short quiet times inside a call), and one that does not keep pace records none."""
+    each call came; calls spaced by 3 ms teach it a gap of at least that, a transfer of
+    its own (an answer's WRITE) posted after a shorter quiet time does not count, and
+    one that does not keep pace records none."""
     a, b = nixl.make_agent("test-pace-a"), nixl.make_agent("test-pace-b")
+    src, dst = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
+    b.register_memory([(src.ctypes.data, SIZE, 0, "")], nixl.HOST)
+    a.register_memory([(dst.ctypes.data, SIZE, 0, "")], nixl.HOST)
     peer = a.add_remote_agent(b.get_agent_metadata())
-    b.add_remote_agent(a.get_agent_metadata())
+    back = b.add_remote_agent(a.get_agent_metadata())
     got: list[bytes] = []
     pacing = nixl.Progress(b, lambda _peer, m: got.append(m), "test-pace", keep_pace=True)
     plain = nixl.Progress(a, lambda *_: None, "test-plain")
@@ -101,6 +105,19 @@ def test_a_pacing_thread_learns_the_gap_between_calls():
             end = time.monotonic() + 3e-3
             while time.monotonic() < end:  # the caller's own work between two layers
                 pass
+        a.send_notif(peer, b"last call")
+        deadline = time.monotonic() + 10
+        while len(got) < 9:
+            assert time.monotonic() < deadline, "the last call not seen"
+            time.sleep(1e-4)
+        time.sleep(5e-4)  # quiet for less than the gap, then an answer's WRITE of its own
+        done: list[str] = []
+        pacing.send(_write(b, src, dst, back, 64)(), back, b"answer", done.append)
+        deadline = time.monotonic() + 10
+        while not done:
+            assert time.monotonic() < deadline, "the answer's WRITE did not complete"
+            time.sleep(1e-4)
+        assert done == ["DONE"]
         low = pacing.gaps.low()
         assert low >= 2.5e-3, f"learned gap {low * 1e3:.2f} ms"
     finally:
