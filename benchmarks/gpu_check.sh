@@ -12,18 +12,32 @@
 #   BENCH_REPS    calls per point (default 100)
 #   BENCH_TRANSPORTS  (default grpc,tcp,shm,cuda-ipc,cuda-ipc-stream)
 #   BENCH_MPS     1: the benchmark runs under an MPS daemon of its own (transport.py --mps)
+#   BENCH_PRESET  the benchmark's preset (default: transport.py's)
+#   BENCH_GAP_US  the caller's work before each "spaced" call (default: transport.py's)
+#   EXAMPLE       1: also run examples/remote_experts_hf.py --device cuda --local-baseline
+#                 (needs transformers: HF=1 bash scripts/gpu_carry.sh) under an MPS daemon
 #   EXPERTD_KERNEL_LIB  a prebuilt libexpertd_kernels.so (skips the build)
-# Wheels the machine lacks (grpcio-health-checking, grpcio-reflection) may travel in
-# .whl/ beside the tree: they are installed into /tmp/site first.
+# What the machine lacks may travel in .whl/ beside the tree (scripts/gpu_carry.sh makes
+# it): wheels (.whl/*.whl, .whl/hf/*.whl) are installed into /tmp/site first, package
+# trees (.whl/*.txz, e.g. NIXL slimmed to fit what travels with a call) unpacked there.
 set -uo pipefail
 OUT=${OUT:-gpu-check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+shopt -s nullglob
+trees=(.whl/*.txz) wheels=(.whl/*.whl .whl/*/*.whl)
+shopt -u nullglob
+if [ ${#trees[@]} -gt 0 ] || [ ${#wheels[@]} -gt 0 ]; then
+  mkdir -p /tmp/site
+  for tree in "${trees[@]}"; do
+    tar -xJf "$tree" -C /tmp/site || exit 1
+  done
+  if [ ${#wheels[@]} -gt 0 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "${wheels[@]}" || exit 1
+  fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
@@ -46,9 +60,23 @@ if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
     --ms "${BENCH_MS-1,64,256,1024,4096}" --shards "${BENCH_SHARDS:-1,8}" \
     --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,tcp,shm,cuda-ipc,cuda-ipc-stream}" \
     $([ "${BENCH_MPS:-0}" = 1 ] && echo --mps) \
+    ${BENCH_PRESET:+--preset "$BENCH_PRESET"} ${BENCH_GAP_US:+--gap-us "$BENCH_GAP_US"} \
     --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')" \
     2>&1 | tee "$OUT/transport.log" | grep -v "^I[0-9]\|^{" 
   rc=${PIPESTATUS[0]}
 fi
-echo "== tests rc=$tests_rc benchmark rc=$rc"
-exit $((tests_rc || rc))
+ex_rc=0
+if [ "${EXAMPLE:-0}" = 1 ]; then
+  echo "== example (under an MPS daemon of its own)"
+  mps=$(mktemp -d)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  $PY examples/remote_experts_hf.py --device cuda --new-tokens 32 --local-baseline 2>&1 \
+    | tee "$OUT/example.log" | grep -v "^I[0-9]" | tail -8
+  ex_rc=${PIPESTATUS[0]}
+  (echo quit | nvidia-cuda-mps-control &)  # detached: the daemon may wait for its clients
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+echo "== tests rc=$tests_rc benchmark rc=$rc example rc=$ex_rc"
+exit $((tests_rc || rc || ex_rc))
