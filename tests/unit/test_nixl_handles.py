@@ -82,9 +82,10 @@ def test_a_shape_posted_again_before_its_last_transfer_is_seen_done(pair):
 
 def test_a_pacing_thread_learns_the_gap_between_calls():
     """A shard's progress thread that keeps pace records how long it was quiet before
-    each call came; calls spaced by 3 ms teach it a gap of at least that, a transfer of
-    its own (an answer's WRITE) posted after a shorter quiet time does not count, and
-    one that does not keep pace records none."""
+    each call came; calls spaced by 6 ms teach it a gap of at least half that (its own
+    thread may be late to go quiet on a busy machine), a transfer of its own (an
+    answer's WRITE) posted after a shorter quiet time does not count, and one that
+    does not keep pace records none."""
     a, b = nixl.make_agent("test-pace-a"), nixl.make_agent("test-pace-b")
     src, dst = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
     b.register_memory([(src.ctypes.data, SIZE, 0, "")], nixl.HOST)
@@ -102,7 +103,7 @@ def test_a_pacing_thread_learns_the_gap_between_calls():
             while len(got) <= i:
                 assert time.monotonic() < deadline, f"call {i} not seen"
                 time.sleep(1e-4)
-            end = time.monotonic() + 3e-3
+            end = time.monotonic() + 6e-3
             while time.monotonic() < end:  # the caller's own work between two layers
                 pass
         a.send_notif(peer, b"last call")
@@ -119,7 +120,7 @@ def test_a_pacing_thread_learns_the_gap_between_calls():
             time.sleep(1e-4)
         assert done == ["DONE"]
         low = pacing.gaps.low()
-        assert low >= 2.5e-3, f"learned gap {low * 1e3:.2f} ms"
+        assert low >= 3e-3, f"learned gap {low * 1e3:.2f} ms"
     finally:
         pacing.stop()
         plain.stop()
