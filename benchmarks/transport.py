@@ -833,7 +833,9 @@ def print_table(result: dict) -> None:
         )
     tcp = {f["M"]: f["tcp_echo_p50_us"] for f in result["floors"]}
     print(
-        f"\nservice ({result['preset']}), us:\n{'shards':>6} {'transport':>9} {'M':>6} "
+        f"\nservice ({result['preset']}; spaced: each call after {result.get('gap_us', 0):.0f} us "
+        "of the caller's own work), us:\n"
+        f"{'shards':>6} {'transport':>9} {'M':>6} "
         f"{'e2e p50':>8} {'e2e p99':>8} {'fwd max':>8} {'fwd sum':>8} {'ovh p50':>8} "
         f"{'ovh/TCP':>7} {'queued':>8} {'spaced':>8}"
     )
