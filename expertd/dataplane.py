@@ -348,6 +348,16 @@ def spare_cpus() -> bool:
     return _SPARE
 
 
+# Keeping pace (a shard's waiters with spare CPUs: server/slots.py's doorbell waiters,
+# expertd/nixl.py's progress thread): up NEXT_EARLY_S before the next call is due (the
+# shortest recent gap, if under NEXT_MAX_S), spinning for it at most NEXT_EARLY_S +
+# NEXT_SPIN_S. A sleeping waiter is woken 60 us after the doorbell on the 2-core machine,
+# more on a host whose idle cores sleep deeply.
+NEXT_EARLY_S = 100e-6
+NEXT_SPIN_S = 50e-6
+NEXT_MAX_S = 5e-3
+
+
 class Recent:
     """The last few durations of something that recurs (a slot's answer time, the gap
     before its next call), to wake a sleeping waiter shortly before the next one is

@@ -220,9 +220,9 @@ class Progress:
     an answer is awaited, and otherwise sleeps in naps, so an idle shard costs little
     CPU. With `keep_pace` (a shard with spare CPUs, as its shm waiters) it also keeps
     the pace of calls that come at a steady rate (a decode loop's layers, the
-    caller's own work between them): it sleeps until NEXT_EARLY_S before the next
+    caller's own work between them): it sleeps until dp.NEXT_EARLY_S before the next
     call is due (the shortest recent quiet time that ended in a call, if under
-    NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes.
+    dp.NEXT_MAX_S), then polls without sleeping, instead of being in a nap when it comes.
     A thread that waits for an answer can drive the agent itself (`drive`): it
     sees its answer without a hand-over from this thread, which meanwhile stays out of
     the way (two threads polling one agent take the interpreter lock from each other).
@@ -240,11 +240,6 @@ class Progress:
     NAP_S = 100e-6  # then naps, doubling up to MAX_NAP_S
     MAX_NAP_S = 1e-3
     DRIVEN_NAP_S = 1e-3  # the thread's naps while a caller drives the agent
-    # keep_pace: up early by NEXT_EARLY_S, polling until NEXT_EARLY_S + NEXT_SPIN_S past due
-    # (server/slots.py's waiters use the same figures)
-    NEXT_EARLY_S = 100e-6
-    NEXT_SPIN_S = 50e-6
-    NEXT_MAX_S = 5e-3
 
     def __init__(
         self,
@@ -427,9 +422,9 @@ class Progress:
                 os.sched_yield()
                 continue
             due = gaps.low() if gaps is not None else 0.0
-            if 0.0 < due < self.NEXT_MAX_S and quiet < due + self.NEXT_SPIN_S:
-                if quiet < due - self.NEXT_EARLY_S:  # asleep until shortly before it is due
-                    self._wake.wait(due - self.NEXT_EARLY_S - quiet)
+            if 0.0 < due < dp.NEXT_MAX_S and quiet < due + dp.NEXT_SPIN_S:
+                if quiet < due - dp.NEXT_EARLY_S:  # asleep until shortly before it is due
+                    self._wake.wait(due - dp.NEXT_EARLY_S - quiet)
                     self._wake.clear()
                 else:
                     os.sched_yield()

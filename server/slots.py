@@ -53,14 +53,9 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # than it works; spinning would take a core from the client and from the other shards.
 WAIT_SPIN_S = 0.0
 # A slot whose calls come at a steady pace (a decode loop: one per layer, the caller's own
-# work between them) is not slept on right up to its next call: a sleeping waiter is woken
-# 60 us after the doorbell on the 2-core machine, more on a host whose idle cores sleep
-# deeply. In a process with spare CPUs (dp.spare_cpus) the waiter sleeps until NEXT_EARLY_S
-# before the next call is due (the shortest of the slot's recent gaps from an answer to the
-# next doorbell, if under NEXT_MAX_S), then spins for it, at most NEXT_EARLY_S + NEXT_SPIN_S.
-NEXT_EARLY_S = 100e-6
-NEXT_SPIN_S = 50e-6
-NEXT_MAX_S = 5e-3
+# work between them) is not slept on right up to its next call: in a process with spare
+# CPUs (dp.spare_cpus) the waiter keeps its pace (dp.NEXT_EARLY_S), the gaps being those
+# from an answer to the next doorbell.
 WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
 PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 
@@ -387,7 +382,7 @@ class SlotRegistry:
         self.leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.keep_pace = dp.spare_cpus()  # waiters keep their slots' pace (NEXT_EARLY_S)
+        self.keep_pace = dp.spare_cpus()  # waiters keep their slots' pace (dp.NEXT_EARLY_S)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(dp.abstract_address(self.name))
         self._sock.listen(64)
@@ -584,11 +579,11 @@ class SlotRegistry:
             deadline = now + WAIT_SLICE_S
             spin = WAIT_SPIN_S
             low = gaps.low() if gaps is not None and answered else 0.0
-            if 0.0 < low < NEXT_MAX_S and ctl.req_seq == last:
-                due = answered + low - NEXT_EARLY_S
+            if 0.0 < low < dp.NEXT_MAX_S and ctl.req_seq == last:
+                due = answered + low - dp.NEXT_EARLY_S
                 if due > now:  # asleep until shortly before the next call is due
                     dp.wait_word(ctl, "req_seq", slot.req_addr, last, due, 0.0, slot.sem)
-                spin = NEXT_EARLY_S + NEXT_SPIN_S
+                spin = dp.NEXT_EARLY_S + dp.NEXT_SPIN_S
             if not dp.wait_word(ctl, "req_seq", slot.req_addr, last, deadline, spin, slot.sem):
                 answered = 0.0  # a slice without a call: no pace to keep
                 continue
