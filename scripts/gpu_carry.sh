@@ -34,10 +34,12 @@ find "$tmp/site/nixl_cu13.libs/nixl" "$tmp/site/.nixl_cu13.mesonpy.libs/plugins"
 tar -cJf .whl/nixl-site.txz -C "$tmp/site" .
 
 if [ "${HF:-0}" = 1 ]; then
-  mkdir -p .whl/hf
+  rm -rf .whl/hf && mkdir -p .whl/hf
   $PY -m pip download -q "${PLAT[@]}" -d "$tmp/hf" "transformers==${TRANSFORMERS_VERSION:-5.25.0}"
-  for w in "$tmp"/hf/*.whl; do  # what the GPU machine has already stays out
-    case $(basename "$w") in numpy* | safetensors* | typing_extensions* | filelock* | fsspec*) ;;
+  # What the GPU machine has already stays out, and so does the hub's `kernels` package:
+  # on PYTHONPATH it would shadow this project's kernels/.
+  for w in "$tmp"/hf/*.whl; do
+    case $(basename "$w") in numpy* | safetensors* | typing_extensions* | filelock* | fsspec* | kernels-*) ;;
       *) cp "$w" .whl/hf/ ;; esac
   done
 fi
