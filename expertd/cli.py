@@ -474,6 +474,16 @@ def _serve_parser(sub) -> None:
         group=run,
     )
     o(
+        "--lane",
+        env="LANE",
+        choices=("on", "off"),
+        default="on",
+        help="a GPU shard runs a small call of a cuda-ipc slot to its answer on the slot's "
+        "own thread when nothing else is queued or running (off: every call through the "
+        "batcher)",
+        group=run,
+    )
+    o(
         "--health-listen",
         env="HEALTH_LISTEN",
         type=_address,
@@ -706,6 +716,7 @@ def cmd_serve(args) -> int:
         health_listen=args.health_listen,
         tcp_data_port=args.tcp_data_port,
         pin_slots=args.pin_slots == "on",
+        lane=args.lane == "on",
     )
 
     def announce(address: str) -> None:  # one machine-readable line for launchers

@@ -326,8 +326,28 @@ def driver() -> dict:
         copy = _driver_fn(lib, "cuMemcpyAsync")
         copy.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
         copy.restype = ctypes.c_int
+        launch = _driver_fn(lib, "cuGraphLaunch")
+        launch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        record = _driver_fn(lib, "cuEventRecord")
+        record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        sync = _driver_fn(lib, "cuEventSynchronize")
+        sync.argtypes = (ctypes.c_void_p,)
+        event = _driver_fn(lib, "cuEventCreate")
+        event.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+        for fn in (launch, record, sync, event):
+            fn.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-        _driver_fns.update(write=write, wait=wait, host=host, copy=copy, lib=lib)
+        _driver_fns.update(
+            write=write,
+            wait=wait,
+            host=host,
+            copy=copy,
+            launch=launch,
+            record=record,
+            sync=sync,
+            event=event,
+            lib=lib,
+        )
         _driver = lib
         return _driver_fns
 
@@ -383,3 +403,44 @@ def host_call(stream: torch.cuda.Stream, fn: int, arg: int) -> None:
     thread once the stream's earlier work is done (it must not call CUDA)."""
     fns = _driver_fns or driver()
     _check_driver(fns["host"](stream.cuda_stream, fn, arg), "cuLaunchHostFunc")
+
+
+class Calls:
+    """The driver calls of a per-call path that runs many times a second (server/lane.py),
+    on raw handles taken once: a stream's `cuda_stream`, a captured graph's
+    `raw_cuda_graph_exec()`, an event's `cuda_event`. Each method is one driver call (a
+    microsecond or two of host time; torch's own calls cost 5-18 us each, docs/dataplane.md)
+    and raises CudaIpcError when the driver refuses."""
+
+    def __init__(self) -> None:
+        fns = driver()
+        self._copy, self._write = fns["copy"], fns["write"]
+        self._launch, self._record, self._sync = fns["launch"], fns["record"], fns["sync"]
+        self._event = fns["event"]
+
+    def event(self) -> int:
+        """A new event (no timing), for `record` and `synchronize`; it lives as long as the
+        process (a handful per server)."""
+        handle = ctypes.c_void_p()
+        _check_driver(self._event(ctypes.byref(handle), 0x2), "cuEventCreate")  # DISABLE_TIMING
+        return handle.value
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        if rc := self._copy(dst, src, nbytes, stream):
+            _check_driver(rc, "cuMemcpyAsync")
+
+    def write(self, stream: int, device_ptr: int, value: int) -> None:
+        if rc := self._write(stream, device_ptr, value, 0):
+            _check_driver(rc, "cuStreamWriteValue32")
+
+    def launch(self, stream: int, graph_exec: int) -> None:
+        if rc := self._launch(graph_exec, stream):
+            _check_driver(rc, "cuGraphLaunch")
+
+    def record(self, stream: int, event: int) -> None:
+        if rc := self._record(event, stream):
+            _check_driver(rc, "cuEventRecord")
+
+    def synchronize(self, event: int) -> None:
+        if rc := self._sync(event):
+            _check_driver(rc, "cuEventSynchronize")

@@ -214,6 +214,7 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
         config.num_shards,
         max_inflight=config.max_inflight,
         pin_slots=config.pin_slots,
+        lane=config.lane,
     )
     add_expert_service(servicer, server)
     inference = InferenceServicer(servicer, allow_shm=config.allow_client_shm)

@@ -179,6 +179,29 @@ class Batcher:
             raise result
         return True
 
+    def take_lone(self) -> int | None:
+        """For a call run outside the batcher on its own thread (server/lane.py): the
+        batcher's gate and a runner slot when the batcher is idle (as run_direct
+        would run it) -> the runner slot's index, held until `give_lone`; None:
+        queue the call as usual."""
+        if self._queue or self.computing:
+            return None
+        if not self._gate.acquire(blocking=False) and (
+            not self._running_direct or not self._gate.acquire(timeout=DIRECT_WAIT_S)
+        ):
+            return None
+        if self._queue or self.computing or self.runner.free_slots < 1:
+            self._gate.release()
+            return None
+        self._running_direct = True
+        return self.runner.take_slot()
+
+    def give_lone(self, index: int) -> None:
+        """Hand back what `take_lone` gave, once the call's GPU work has finished."""
+        self.runner.give_slot(index)
+        self._running_direct = False
+        self._gate.release()
+
     # -- the loop ------------------------------------------------------------------
 
     def _layer_tokens(self, layer: int) -> int:

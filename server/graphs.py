@@ -267,6 +267,11 @@ class GraphBank:
         bucket = next(b for b in self.buckets if b >= m)
         return bucket if (layer, bucket, 0) in self._graphs else None
 
+    def exec_handle(self, layer: int, bucket: int, slot: int) -> int:
+        """The driver handle (CUgraphExec) of a fused bucket's graph without the host
+        copies, for a caller that launches it itself (server/lane.py)."""
+        return self._plain[(layer, bucket, slot)].raw_cuda_graph_exec()
+
     def replay(self, layer: int, bucket: int, slot: int, plain: bool = False) -> None:
         """Replay on the current stream: reads the slot's input buffer in
         `layouts[bucket]`, writes its output buffer. `plain`: without the host copies

@@ -73,6 +73,11 @@ class Metrics:
             "expertd_requests", "Requests by method and status code", ["method", "code"], registry=r
         )
         self.tokens = Counter("expertd_tokens", "Tokens computed", registry=r)
+        self.lane_calls = Counter(
+            "expertd_lane_calls",
+            "Slot calls answered on the slot's own thread, outside the batcher (server/lane.py)",
+            registry=r,
+        )
         self.overload = Counter(
             "expertd_overload",
             "Requests refused with RESOURCE_EXHAUSTED for overload, by the limit reached: "

@@ -232,6 +232,23 @@ class BatchRunner:
         """Slots not holding a batch now (any thread)."""
         return self._slots.free
 
+    def take_slot(self) -> int:
+        """A free slot for a call its caller runs itself (server/lane.py: the slot's
+        host buffers and graph buffers) -> its index; RuntimeError when none is free."""
+        return self._slots.acquire()
+
+    def give_slot(self, index: int) -> None:
+        self._slots.release(index)
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream:
+        """The stream every forward runs on (CUDA)."""
+        return self._compute
+
+    def slot_host(self, index: int) -> HostStaging:
+        """The slot's packed host buffers (page-locked on CUDA)."""
+        return self._slot_bufs[index].host
+
     def warmup(self) -> None:
         """Before SERVING: capture the CUDA graphs (which also builds and loads the
         kernels), then run one tiny batch per layer and slot through the serving

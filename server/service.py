@@ -23,6 +23,7 @@ from expertd import dataplane as dp
 from expertd.server import remote, slots, tcpslots
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import Batcher, BatchPolicy, Job, Overloaded
+from expertd.server.lane import Lane
 from expertd.server.metrics import Metrics
 from expertd.server.runner import BatchRunner
 from expertd.server.validate import Limits, RequestError, check_forward, parse_forward
@@ -87,6 +88,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         num_shards: int = 1,
         max_inflight: int = 512,
         pin_slots: bool = True,
+        lane: bool = True,
     ) -> None:
         self.limits = limits
         self.policy = policy
@@ -101,6 +103,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self._prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="expertd-prep")
         self._shard = (shard_index, num_shards)
         self._pin_slots = pin_slots
+        self._lane_on = lane
+        self.lane: Lane | None = None  # small cuda-ipc slot calls (server/lane.py)
         self._instance = uuid.uuid4().hex  # new for every process start
         self._overload_logged = 0.0  # monotonic time of the last overload log line
         self._overload_quiet = 0  # overload refusals since then, not logged
@@ -146,6 +150,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.bank = bank
         self.batcher = Batcher(runner, self._compute, self.metrics, self.policy)
         self.batcher.start()
+        if self._lane_on:
+            self.lane = Lane.for_runner(self, runner, self.batcher, bank.info.num_experts)
         self.metrics.resident_bytes.set(bank.resident_bytes)
         self.metrics.watch_device(bank.backend.device)
         cuda = bank.backend.device.type == "cuda"
@@ -277,6 +283,23 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def count_slot(self, code: grpc.StatusCode) -> None:
         self._count("Slot", code)
+
+    def count_slot_ok(
+        self, tokens: int, queue_ns: int, compute_ns: int, in_bytes: int, out_bytes: int
+    ) -> None:
+        """The books of a slot call the lane answered (server/lane.py): what the batcher
+        records for a batch of one call, and the call."""
+        m = self.metrics
+        self._count("Slot", grpc.StatusCode.OK)
+        m.lane_calls.inc()
+        m.tokens.inc(tokens)
+        m.batch_tokens.observe(tokens)
+        m.batch_requests.observe(1)
+        m.queue_seconds.observe(queue_ns / 1e9)
+        m.compute_seconds.observe(compute_ns / 1e9)
+        m.request_seconds.observe((queue_ns + compute_ns) / 1e9)
+        m.request_bytes.observe(in_bytes)
+        m.response_bytes.observe(out_bytes)
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self.metrics.requests.labels(method, code.name).inc()

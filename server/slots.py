@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 import torch
 
-from expertd import cudamem
+from expertd import cudamem, tracing
 from expertd import dataplane as dp
 from expertd.server.validate import RequestError, invalid
 
@@ -212,6 +212,23 @@ class Slot:
         x = self._x[: m * hidden].view(m, hidden)
         return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
 
+    def ids_region(self, n: int) -> np.ndarray:
+        """The first n ids in the slot (int32, the client's memory: copy before checking)."""
+        return self._ids_in[:n]
+
+    def weights_region(self, n: int) -> np.ndarray:
+        return self._w_in[:n]
+
+    @property
+    def x_device_ptr(self) -> int:
+        """cuda-ipc: the device address of the slot's x rows."""
+        return self._x.data_ptr()
+
+    @property
+    def out_device_ptr(self) -> int:
+        """cuda-ipc: the device address of the slot's out rows."""
+        return self._out_dev.data_ptr()
+
     @property
     def direct(self) -> bool:
         """Whether the runner can copy this slot's rows straight between the slot and
@@ -273,6 +290,20 @@ class Slot:
             ctl.out_rows = n
             ctl.status = 0
             if not ctl.flags & dp.FLAG_GRAPH:  # a graph's last error text: kept for its watch
+                ctl.error_len = 0
+            self._ring()
+
+    def write_placed(self, m: int, timing: dict) -> None:
+        """`write_output` of m rows the runner's stream put into the out region already."""
+        with self.lock:
+            if self.mm is None or not self.busy:
+                return
+            ctl = self.ctl
+            for name, value in timing.items():
+                setattr(ctl, name, value)
+            ctl.out_rows = m
+            ctl.status = 0
+            if not ctl.flags & dp.FLAG_GRAPH:
                 ctl.error_len = 0
             self._ring()
 
@@ -614,6 +645,15 @@ class SlotRegistry:
             raise invalid(f"m = {m} rows exceed the slot's {lay.max_tokens}")
         if m and not 1 <= k <= lay.top_k:
             raise invalid(f"top_k {k} outside the slot's [1, {lay.top_k}]")
+        lane = self.servicer.lane
+        if (
+            lane is not None
+            and slot.dev is not None
+            and m
+            and not tracing.active()
+            and lane.run(slot, layer, m, k, timeout_us, received)
+        ):
+            return
         # ids and weights are copied (m * k words): the client cannot change an id after
         # it was checked. x stays a view; its values only shape the client's own answer.
         x, ids, w = slot.inputs(m, k, lay.hidden)

@@ -148,6 +148,31 @@ class HostStaging:
         self._used = (layout, row)
         return row
 
+    def pack_routes(self, layout: Layout, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """`pack` of one request's routes only (int32 and float32 arrays [m, k], e.g. views
+        of a client's slot), copied in; -> the copied ids [m, k], a view of `input`, for
+        the caller to check (the copy: a client cannot change an id after it was checked)."""
+        self.reserve(layout.in_bytes, layout.out_bytes)
+        _, ids_np, w_np = self._input_views(layout)
+        m, k = ids.shape
+        if m > layout.rows or k > layout.top_k:
+            raise ValueError(
+                f"batch does not fit layout: {m} rows x top_k {k} into "
+                f"{layout.rows} x {layout.top_k}"
+            )
+        np.copyto(ids_np[:m, :k], ids)
+        np.copyto(w_np[:m, :k], weights)
+        if k < layout.top_k:
+            ids_np[:m, k:] = -1
+            w_np[:m, k:] = 0.0
+        used = self._used
+        dirty = used[1] if used is not None and used[0] == layout else layout.rows
+        if dirty > m:
+            ids_np[m:dirty] = -1
+            w_np[m:dirty] = 0.0
+        self._used = (layout, m)
+        return ids_np[:m, :k]
+
     def result(self, layout: Layout, m: int) -> Result:
         """The first m rows of `output`, once the device has written it."""
         buf, off = self._out_np, layout.out_offset
