@@ -133,6 +133,17 @@ def runtime() -> ctypes.CDLL:
         raise CudaIpcError(f"the CUDA runtime library is not loadable: {'; '.join(errors)}")
 
 
+def make_current(device: torch.device) -> None:
+    """Make `device`'s primary context current on the calling thread, for driver calls
+    that take no stream (cuEventCreate, cuEventSynchronize): torch's device guard skips
+    the runtime call when the device is already the thread's, which leaves a new thread
+    without a current context."""
+    lib = runtime()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _check(lib.cudaSetDevice(index), "cudaSetDevice")
+    _check(lib.cudaFree(None), "cudaFree")  # the context is made and current from here
+
+
 def available() -> tuple[bool, str]:
     """(whether this process can export and map CUDA IPC memory, why not)."""
     try:

@@ -20,6 +20,7 @@ The same graph, buffers and copies as `BatchRunner._enqueue_device` with one bat
 alone: the same bits. Anything else takes the general path: an id out of range or a
 non-finite row (its error comes from there, with its message), tracing on, a batch in
 flight or queued, a call larger than the fused buckets or of a layer without graphs.
+Calls captured in the client's CUDA graph take the general path too, for now.
 `expertd serve --lane off` sends every call the general way.
 """
 
@@ -32,7 +33,8 @@ import time
 import numpy as np
 import torch
 
-from expertd.cudamem import Calls
+from expertd import dataplane as dp
+from expertd.cudamem import Calls, make_current
 from expertd.server.runner import FUSED_ROWS
 
 log = logging.getLogger("expertd.server")
@@ -91,10 +93,17 @@ class Lane:
             raise RuntimeError(f"torch {torch.__version__} does not hand out a graph's exec")
         self.calls = Calls()
         self.stream = runner.compute_stream.cuda_stream
-        with torch.cuda.device(runner.device):  # the driver's events need the context
-            self._events = [self.calls.event() for _ in range(runner.depth)]
+        make_current(runner.device)  # the driver's calls need the context current here
+        self._events = [self.calls.event() for _ in range(runner.depth)]
         self._plans: dict[tuple[int, int], _Plan] = {}
         self._threads = threading.local()  # .ready: the device's context is current here
+        self._said: set[str] = set()  # why calls took the general path, logged once each
+
+    def _decline(self, why: str) -> bool:
+        if why not in self._said:
+            self._said.add(why)
+            log.info("a slot call took the general path (said once): %s", why)
+        return False
 
     @classmethod
     def for_runner(cls, servicer, runner, batcher, num_experts: int) -> Lane | None:
@@ -103,30 +112,34 @@ class Lane:
         if runner.graphs is None or runner.device.type != "cuda":
             return None
         try:
-            return cls(servicer, runner, batcher, num_experts)
+            lane = cls(servicer, runner, batcher, num_experts)
         except Exception as e:  # the driver's entry points, most likely
             log.warning("small slot calls take the general path: %s", e)
             return None
+        log.info("small cuda-ipc slot calls take the lane (up to %d tokens)", FUSED_ROWS)
+        return lane
 
     def run(self, slot, layer: int, m: int, k: int, timeout_us: int, received: int) -> bool:
         """Run a checked cuda-ipc slot call (m >= 1, k within the slot's top_k) to its
         answer -> True; False: nothing answered, the call takes the general path."""
         if m > FUSED_ROWS:
-            return False
+            return self._decline(f"more than {FUSED_ROWS} tokens")
+        if slot.ctl.flags & dp.FLAG_GRAPH:  # docs/dataplane.md, "The lane"
+            return self._decline("a call captured in a CUDA graph")
         graphs = self.graphs
         bucket = graphs.bucket(layer, m, k)
         if bucket is None:
-            return False
+            return self._decline(f"no graph for layer {layer}, {m} tokens, top-k {k}")
         if not getattr(self._threads, "ready", False):  # the driver calls need the context
-            torch.cuda.set_device(self.runner.device)
+            make_current(self.runner.device)
             self._threads.ready = True
         index = self.batcher.take_lone()
         if index is None:
-            return False
+            return False  # a batch in flight or queued: it batches with them
         try:
             started = time.perf_counter_ns()
             if timeout_us and started - received >= timeout_us * 1000:
-                return False  # the general path answers DEADLINE_EXCEEDED
+                return self._decline("deadline passed")  # the general path says so
             plan = self._plans.get((index, bucket))
             if plan is None or not plan.current():
                 plan = self._plans[(index, bucket)] = _Plan(self.runner, graphs, index, bucket)
@@ -138,7 +151,7 @@ class Lane:
                 plan.layout, slot.ids_region(n).reshape(m, k), slot.weights_region(n).reshape(m, k)
             )
             if ids.min() < -1 or ids.max() >= self.num_experts:
-                return False  # the general path names the id
+                return self._decline("an id out of range")  # the general path names it
             nbytes = m * self.row_bytes
             bell = slot.stream_bell()
             calls, stream, event = self.calls, self.stream, self._events[index]
@@ -153,7 +166,7 @@ class Lane:
             calls.synchronize(event)
             computed = time.perf_counter_ns()
             if plan.flags_host[:m].any():
-                return False  # the general path runs it again and names the value
+                return self._decline("NaN/Inf")  # the general path runs it again, names it
         finally:
             self.batcher.give_lone(index)
         timing = {
