@@ -476,3 +476,37 @@ def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
         out = wire.decode(parse_forward_response(res).output, "output")
         ref = reference_forward(full_layers[req.layer], x, ids, w.float())
         assert relative_error(out, ref) <= 1e-2
+
+
+def test_a_lone_call_takes_the_gate_and_a_slot_only_from_an_idle_batcher(bank0):
+    """The lane's hold on the batcher (take_lone / give_lone, server/lane.py): a runner
+    slot and the gate while nothing is queued, computing or held; a queued job, or a
+    lone call holding the gate, sends the next call the general way; every slot comes
+    back."""
+    runner = BatchRunner(bank0, depth=2)
+
+    async def go():
+        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
+        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
+        index = batcher.take_lone()
+        assert index in (0, 1) and runner.free_slots == 1
+        assert batcher.take_lone() is None  # the gate is held (it waits a moment, then no)
+        batcher.give_lone(index)
+        assert runner.free_slots == 2
+        loop = asyncio.get_running_loop()
+        req, _ = forward_request(2, 8, seed=4)
+        limits = Limits(max_tokens=1024, max_top_k=64)
+        args = parse_forward(req, bank0.info, limits, bank0.has_layer)
+        job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
+        batcher.submit(job)  # queued, the loop not started: the batcher is not idle
+        assert batcher.take_lone() is None and runner.free_slots == 2
+        batcher.start()
+        await job.future
+        index = batcher.take_lone()  # idle again
+        assert index is not None
+        batcher.give_lone(index)
+        await batcher.stop()
+        compute.shutdown()
+
+    asyncio.run(go())
+    assert runner.free_slots == 2
