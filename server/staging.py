@@ -140,13 +140,18 @@ class HostStaging:
                 ids_np[row:end, k:] = -1
                 w_np[row:end, k:] = 0.0
             row = end
+        self._pad(layout, ids_np, w_np, row)
+        return row
+
+    def _pad(self, layout: Layout, ids_np: np.ndarray, w_np: np.ndarray, rows: int) -> None:
+        """Rows from `rows` to the layout's end say "no route": only those an earlier
+        pack of this layout wrote (all of them after another layout's) are reset."""
         used = self._used
         dirty = used[1] if used is not None and used[0] == layout else layout.rows
-        if dirty > row:
-            ids_np[row:dirty] = -1
-            w_np[row:dirty] = 0.0
-        self._used = (layout, row)
-        return row
+        if dirty > rows:
+            ids_np[rows:dirty] = -1
+            w_np[rows:dirty] = 0.0
+        self._used = (layout, rows)
 
     def pack_routes(self, layout: Layout, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """`pack` of one request's routes only (int32 and float32 arrays [m, k], e.g. views
@@ -165,12 +170,7 @@ class HostStaging:
         if k < layout.top_k:
             ids_np[:m, k:] = -1
             w_np[:m, k:] = 0.0
-        used = self._used
-        dirty = used[1] if used is not None and used[0] == layout else layout.rows
-        if dirty > m:
-            ids_np[m:dirty] = -1
-            w_np[m:dirty] = 0.0
-        self._used = (layout, m)
+        self._pad(layout, ids_np, w_np, m)
         return ids_np[:m, :k]
 
     def result(self, layout: Layout, m: int) -> Result:
