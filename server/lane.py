@@ -86,7 +86,6 @@ class Lane:
         self.runner = runner
         self.graphs = runner.graphs
         self.batcher = batcher
-        self.metrics = servicer.metrics
         self.num_experts = num_experts
         self.row_bytes = 2 * runner.hidden
         if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):

@@ -278,11 +278,17 @@ class Slot:
     def write_output(self, rows, timing: dict, placed: bool = False) -> None:
         """The partial (uint8 [m, 2H] bf16 bits; `placed`: the runner copied it into
         `device_out` already), then OK, then ring (any thread)."""
+        self._answer_ok(rows.shape[0], timing, None if placed else rows)
+
+    def write_placed(self, m: int, timing: dict) -> None:
+        """`write_output` of m rows the runner's stream put into the out region already."""
+        self._answer_ok(m, timing, None)
+
+    def _answer_ok(self, n: int, timing: dict, rows) -> None:
         with self.lock:
             if self.mm is None or not self.busy:
                 return
-            n = rows.shape[0]
-            if n and not placed:
+            if n and rows is not None:
                 self._out[: rows.size] = rows.reshape(-1)
             ctl = self.ctl
             for name, value in timing.items():
@@ -290,20 +296,6 @@ class Slot:
             ctl.out_rows = n
             ctl.status = 0
             if not ctl.flags & dp.FLAG_GRAPH:  # a graph's last error text: kept for its watch
-                ctl.error_len = 0
-            self._ring()
-
-    def write_placed(self, m: int, timing: dict) -> None:
-        """`write_output` of m rows the runner's stream put into the out region already."""
-        with self.lock:
-            if self.mm is None or not self.busy:
-                return
-            ctl = self.ctl
-            for name, value in timing.items():
-                setattr(ctl, name, value)
-            ctl.out_rows = m
-            ctl.status = 0
-            if not ctl.flags & dp.FLAG_GRAPH:
                 ctl.error_len = 0
             self._ring()
 
