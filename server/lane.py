@@ -19,8 +19,9 @@ captured graph takes the lane instead: its waiter thread
 The same graph, buffers and copies as `BatchRunner._enqueue_device` with one batch
 alone: the same bits. Anything else takes the general path: an id out of range or a
 non-finite row (its error comes from there, with its message), tracing on, a batch in
-flight or queued, a call larger than the fused buckets or of a layer without graphs.
-Calls captured in the client's CUDA graph take the general path too, for now.
+flight or queued, a call larger than the fused buckets or of a layer without graphs. A call
+captured in the client's CUDA graph takes the lane as any on-stream call does: its
+routes reach the slot through the client's stream before its bell.
 `expertd serve --lane off` sends every call the general way.
 """
 
@@ -33,7 +34,6 @@ import time
 import numpy as np
 import torch
 
-from expertd import dataplane as dp
 from expertd.cudamem import Calls, make_current
 from expertd.server.runner import FUSED_ROWS
 
@@ -123,8 +123,6 @@ class Lane:
         answer -> True; False: nothing answered, the call takes the general path."""
         if m > FUSED_ROWS:
             return self._decline(f"more than {FUSED_ROWS} tokens")
-        if slot.ctl.flags & dp.FLAG_GRAPH:  # docs/dataplane.md, "The lane"
-            return self._decline("a call captured in a CUDA graph")
         graphs = self.graphs
         bucket = graphs.bucket(layer, m, k)
         if bucket is None:

@@ -126,3 +126,42 @@ def test_calls_the_lane_declines_get_the_general_answer(shards):
         # and the shard keeps serving through the lane
         assert torch.equal(client.forward(0, x, ids, w), ref.forward(0, x, ids, w))
         assert _metric(lane_port, "expertd_lane_calls_total") == before + 1
+
+
+def test_graph_replays_take_the_lane(shards):
+    """Calls captured in the caller's CUDA graph: each replay through the lane gives the
+    `--lane off` shard's bits for its inputs, and the lane's metric counts them."""
+    (lane, lane_port), (plain, _) = shards
+    replays = 6
+    with (
+        ExpertClient([lane.address], on_stream=True, graph_slots=2) as a,
+        ExpertClient([plain.address], transport="cuda-ipc") as ref,
+    ):
+        static = [t.clone() for t in cuda_inputs(PRESET, 8, seed=40)]
+
+        def step():
+            h0 = a.forward(0, *static)
+            return h0, a.forward(1, h0, static[1], static[2])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager on-stream calls first, as torch advises
+            step()
+        side.synchronize()
+        a.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h0, h1 = step()
+        before = _metric(lane_port, "expertd_lane_calls_total")
+        for i in range(replays):
+            inputs = cuda_inputs(PRESET, 8, seed=41 + i)
+            for dst, src in zip(static, inputs, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.current_stream().synchronize()
+            a.synchronize()
+            want0 = ref.forward(0, *inputs)
+            want1 = ref.forward(1, want0, inputs[1], inputs[2])
+            assert torch.equal(h0.view(torch.int16), want0.view(torch.int16)), i
+            assert torch.equal(h1.view(torch.int16), want1.view(torch.int16)), i
+    assert _metric(lane_port, "expertd_lane_calls_total") - before == 2 * replays
