@@ -417,41 +417,24 @@ def host_call(stream: torch.cuda.Stream, fn: int, arg: int) -> None:
 
 
 class Calls:
-    """The driver calls of a per-call path that runs many times a second (server/lane.py),
-    on raw handles taken once: a stream's `cuda_stream`, a captured graph's
-    `raw_cuda_graph_exec()`, an event's `cuda_event`. Each method is one driver call (a
-    microsecond or two of host time; torch's own calls cost 5-18 us each, docs/dataplane.md)
-    and raises CudaIpcError when the driver refuses."""
+    """The driver's entry points for a per-call path written in C (kernels/csrc/
+    graph_call.cu: the copies, a graph's launch, a 32-bit store, an event's record and
+    wait, as cuMemcpyAsync, cuGraphLaunch, cuStreamWriteValue32, cuEventRecord and
+    cuEventSynchronize of the driver this process loaded), and events for it."""
 
     def __init__(self) -> None:
         fns = driver()
-        self._copy, self._write = fns["copy"], fns["write"]
-        self._launch, self._record, self._sync = fns["launch"], fns["record"], fns["sync"]
         self._event = fns["event"]
 
+        def address(name: str) -> int:
+            return ctypes.cast(fns[name], ctypes.c_void_p).value
+
+        self.copy, self.launch, self.write = address("copy"), address("launch"), address("write")
+        self.record, self.sync = address("record"), address("sync")
+
     def event(self) -> int:
-        """A new event (no timing), for `record` and `synchronize`; it lives as long as the
-        process (a handful per server)."""
+        """A new event (no timing); it lives as long as the process (a handful per
+        server)."""
         handle = ctypes.c_void_p()
         _check_driver(self._event(ctypes.byref(handle), 0x2), "cuEventCreate")  # DISABLE_TIMING
         return handle.value
-
-    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
-        if rc := self._copy(dst, src, nbytes, stream):
-            _check_driver(rc, "cuMemcpyAsync")
-
-    def write(self, stream: int, device_ptr: int, value: int) -> None:
-        if rc := self._write(stream, device_ptr, value, 0):
-            _check_driver(rc, "cuStreamWriteValue32")
-
-    def launch(self, stream: int, graph_exec: int) -> None:
-        if rc := self._launch(graph_exec, stream):
-            _check_driver(rc, "cuGraphLaunch")
-
-    def record(self, stream: int, event: int) -> None:
-        if rc := self._record(event, stream):
-            _check_driver(rc, "cuEventRecord")
-
-    def synchronize(self, event: int) -> None:
-        if rc := self._sync(event):
-            _check_driver(rc, "cuEventSynchronize")

@@ -54,10 +54,67 @@ class _Args(ctypes.Structure):
     ]
 
 
+class GraphCallPlan(ctypes.Structure):
+    """Mirrors struct expertd_graph_call_plan in graph_call.cu: what one small call of a
+    captured forward copies where (fixed per graph buffers and routes buffer), the
+    stream, event and driver entry points it uses, and the last failure's text."""
+
+    _fields_ = [
+        ("ids_host", ctypes.c_void_p),
+        ("weights_host", ctypes.c_void_p),
+        ("routes_bytes", ctypes.c_longlong),
+        ("routes_dev", ctypes.c_uint64),
+        ("x_dev", ctypes.c_uint64),
+        ("out_dev", ctypes.c_uint64),
+        ("flags_dev", ctypes.c_uint64),
+        ("flags_host", ctypes.c_void_p),
+        ("row_bytes", ctypes.c_longlong),
+        ("rows", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("num_experts", ctypes.c_int),
+        ("pad_", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+        ("event", ctypes.c_void_p),
+        ("copy", ctypes.c_void_p),
+        ("launch", ctypes.c_void_p),
+        ("write", ctypes.c_void_p),
+        ("record", ctypes.c_void_p),
+        ("sync", ctypes.c_void_p),
+        ("error", ctypes.c_char * 160),
+    ]
+
+
+# expertd_graph_call's answers (graph_call.cu)
+GRAPH_CALL_OK, GRAPH_CALL_BAD_ID, GRAPH_CALL_NONFINITE, GRAPH_CALL_FAILED = 0, 1, 2, -1
+
+
+def graph_call_fn():
+    """The library's `expertd_graph_call` (graph_call.cu): one small call of a captured
+    forward, run without the interpreter's lock; AttributeError in a library built before
+    it existed."""
+    return load_library().expertd_graph_call
+
+
 _LIB: ctypes.CDLL | None = None
 _OPENED: dict[str, ctypes.CDLL] = {}
 _LIB_LOCK = threading.RLock()
 _INITIALIZED: set[tuple[int, int]] = set()  # (library handle, device index)
+
+
+def _declare_graph_call(fn) -> None:
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.POINTER(GraphCallPlan),
+        ctypes.c_void_p,  # graph exec
+        ctypes.c_int,  # m
+        ctypes.c_int,  # k
+        ctypes.c_void_p,  # ids
+        ctypes.c_void_p,  # weights
+        ctypes.c_uint64,  # x
+        ctypes.c_uint64,  # out
+        ctypes.c_uint64,  # bell address (0: none)
+        ctypes.c_uint32,  # bell value
+    ]
 
 
 def open_library(path: str | os.PathLike) -> ctypes.CDLL:
@@ -83,6 +140,8 @@ def open_library(path: str | os.PathLike) -> ctypes.CDLL:
             lib.expertd_kernel_path.argtypes = [ctypes.c_int]
             lib.expertd_moe_forward.restype = ctypes.c_int
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
+            if hasattr(lib, "expertd_graph_call"):  # absent from a library built before it
+                _declare_graph_call(lib.expertd_graph_call)
             _OPENED[key] = lib
         return lib
 

@@ -186,6 +186,15 @@ class Slot:
         self._w_in = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(
             np.float32
         )
+        self._lane_addresses = (0, 0, 0, 0)
+        if self._out_dev is not None:
+            base = buf.ctypes.data
+            self._lane_addresses = (
+                base + layout.ids_offset,
+                base + layout.weights_offset,
+                self._x.data_ptr(),
+                self._out_dev.data_ptr(),
+            )
         self._out = buf[layout.out_offset : layout.out_offset + 2 * mmax * h]
         # A GPU shard's host slot: the rows its calls use are page-locked on demand.
         self._pins: PinnedRows | None = None
@@ -212,22 +221,12 @@ class Slot:
         x = self._x[: m * hidden].view(m, hidden)
         return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
 
-    def ids_region(self, n: int) -> np.ndarray:
-        """The first n ids in the slot (int32, the client's memory: copy before checking)."""
-        return self._ids_in[:n]
-
-    def weights_region(self, n: int) -> np.ndarray:
-        return self._w_in[:n]
-
     @property
-    def x_device_ptr(self) -> int:
-        """cuda-ipc: the device address of the slot's x rows."""
-        return self._x.data_ptr()
-
-    @property
-    def out_device_ptr(self) -> int:
-        """cuda-ipc: the device address of the slot's out rows."""
-        return self._out_dev.data_ptr()
+    def lane_addresses(self) -> tuple[int, int, int, int]:
+        """cuda-ipc: where a call's ids and weights lie in the slot (host) and its x and
+        out rows (device), for a reader in C (server/lane.py; the slot stays mapped while
+        a call is in flight)."""
+        return self._lane_addresses
 
     @property
     def direct(self) -> bool:

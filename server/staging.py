@@ -153,25 +153,17 @@ class HostStaging:
             w_np[rows:dirty] = 0.0
         self._used = (layout, rows)
 
-    def pack_routes(self, layout: Layout, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """`pack` of one request's routes only (int32 and float32 arrays [m, k], e.g. views
-        of a client's slot), copied in; -> the copied ids [m, k], a view of `input`, for
-        the caller to check (the copy: a client cannot change an id after it was checked)."""
+    def routes_at(self, layout: Layout) -> tuple[int, int]:
+        """The addresses of `layout`'s ids and weights in `input`, for a packer outside
+        this class (kernels/csrc/graph_call.cu), which then says what it wrote (`packed`)."""
         self.reserve(layout.in_bytes, layout.out_bytes)
-        _, ids_np, w_np = self._input_views(layout)
-        m, k = ids.shape
-        if m > layout.rows or k > layout.top_k:
-            raise ValueError(
-                f"batch does not fit layout: {m} rows x top_k {k} into "
-                f"{layout.rows} x {layout.top_k}"
-            )
-        np.copyto(ids_np[:m, :k], ids)
-        np.copyto(w_np[:m, :k], weights)
-        if k < layout.top_k:
-            ids_np[:m, k:] = -1
-            w_np[:m, k:] = 0.0
-        self._pad(layout, ids_np, w_np, m)
-        return ids_np[:m, :k]
+        base = self.input.data_ptr()
+        return base, base + layout.weights_offset
+
+    def packed(self, layout: Layout, rows: int | None) -> None:
+        """Another packer wrote `layout`'s routes: rows from `rows` to the layout's end say
+        "no route" (None: not known, the next `pack` resets every padding row)."""
+        self._used = None if rows is None else (layout, rows)
 
     def result(self, layout: Layout, m: int) -> Result:
         """The first m rows of `output`, once the device has written it."""

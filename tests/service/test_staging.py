@@ -158,30 +158,6 @@ def test_padding_bookkeeping_over_a_random_sequence_of_batches():
         assert same_bits(x[:m], rx) and same_bits(rid, rrid) and same_bits(rw, rrw)
 
 
-def test_pack_routes_leaves_the_routes_a_full_pack_would():
-    """The lane's pack (one call's routes, from numpy views of its slot) interleaved
-    with full packs on one buffer: after each, the routes are a fresh gather's, and
-    it hands back the copied ids."""
-    gen = torch.Generator().manual_seed(5)
-    rnd = random.Random(5)
-    layouts = [Layout(r, 8, H) for r in (1, 2, 4, 8, 16)]
-    host = HostStaging(pin=False)
-    for _ in range(120):
-        lay = rnd.choice(layouts)
-        m = rnd.randint(1, lay.rows)
-        x, ids, w = request(m, rnd.randint(1, lay.top_k), gen)
-        if rnd.random() < 0.5:
-            got = host.pack_routes(lay, ids.numpy(), w.numpy())
-            assert same_bits(torch.from_numpy(got), ids) and got.base is not None
-        else:
-            host.pack(lay, [x], [ids], [w])
-        _, rid, rw = packed(host, lay)
-        _, rrid, rrw = reference_pack(lay, [x], [ids], [w])
-        assert same_bits(rid, rrid) and same_bits(rw, rrw)
-    with pytest.raises(ValueError, match="does not fit"):
-        host.pack_routes(Layout(2, 8, H), *(t.numpy() for t in request(3, 8, gen)[1:]))
-
-
 def test_padding_rows_are_written_once_not_per_batch():
     gen = torch.Generator().manual_seed(3)
     lay = Layout(8, 8, H)
