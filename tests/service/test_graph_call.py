@@ -75,6 +75,7 @@ class FakeDevice:
 
     def __init__(self, layout: Layout, host: HostStaging) -> None:
         self.layout = layout
+        self.host = host  # the plan points into its buffers
         self.dev_in = np.zeros(layout.in_bytes, np.uint8)
         self.dev_out = np.zeros(layout.out_bytes, np.uint8)
         self.log: list[str] = []
@@ -140,6 +141,14 @@ def _call(fn, dev: FakeDevice, ids, w, x, out, bell=(0, 0)):
     return fn(dev.plan, 7, m, k, ids.data_ptr(), w.data_ptr(), x.data_ptr(), out.data_ptr(), *bell)
 
 
+def _device(rows: int, m: int, seed: int):
+    """A fresh FakeDevice of a (rows, top-8) bucket, and a request of m tokens."""
+    lay = Layout(rows, 8, H)
+    host = HostStaging(pin=False, in_bytes=lay.in_bytes, out_bytes=lay.out_bytes)
+    x, ids, w = request(m, 8, torch.Generator().manual_seed(seed), experts=E)
+    return FakeDevice(lay, host), x, ids, w
+
+
 def test_routes_are_a_full_packs_interleaved_with_packs(graph_call):
     gen = torch.Generator().manual_seed(5)
     rnd = random.Random(5)
@@ -168,11 +177,7 @@ def test_routes_are_a_full_packs_interleaved_with_packs(graph_call):
 
 
 def test_steps_in_stream_order_and_the_bell_when_asked(graph_call):
-    gen = torch.Generator().manual_seed(1)
-    lay = Layout(8, 8, H)
-    host = HostStaging(pin=False, in_bytes=lay.in_bytes, out_bytes=lay.out_bytes)
-    dev = FakeDevice(lay, host)
-    x, ids, w = request(3, 8, gen, experts=E)
+    dev, x, ids, w = _device(8, 3, seed=1)
     out = torch.empty_like(x)
     word = np.zeros(1, np.uint32)
     assert _call(graph_call, dev, ids, w, x, out, (word.ctypes.data, 41)) == GRAPH_CALL_OK
@@ -185,11 +190,7 @@ def test_steps_in_stream_order_and_the_bell_when_asked(graph_call):
 
 @pytest.mark.parametrize("bad_id", [E, -2, 2**31 - 1])
 def test_an_id_out_of_range_queues_nothing(graph_call, bad_id):
-    gen = torch.Generator().manual_seed(2)
-    lay = Layout(4, 8, H)
-    host = HostStaging(pin=False, in_bytes=lay.in_bytes, out_bytes=lay.out_bytes)
-    dev = FakeDevice(lay, host)
-    x, ids, w = request(4, 8, gen, experts=E)
+    dev, x, ids, w = _device(4, 4, seed=2)
     ids[3, 7] = bad_id
     assert _call(graph_call, dev, ids, w, x, torch.empty_like(x)) == GRAPH_CALL_BAD_ID
     assert dev.log == []
@@ -199,11 +200,7 @@ def test_an_id_out_of_range_queues_nothing(graph_call, bad_id):
 
 
 def test_a_flagged_row_and_a_failed_step_are_told_apart(graph_call):
-    gen = torch.Generator().manual_seed(3)
-    lay = Layout(4, 8, H)
-    host = HostStaging(pin=False, in_bytes=lay.in_bytes, out_bytes=lay.out_bytes)
-    dev = FakeDevice(lay, host)
-    x, ids, w = request(2, 8, gen, experts=E)
+    dev, x, ids, w = _device(4, 2, seed=3)
     bad = x.clone()
     bad[1, 0] = float("nan")
     assert _call(graph_call, dev, ids, w, bad, torch.empty_like(x)) == GRAPH_CALL_NONFINITE
@@ -211,6 +208,6 @@ def test_a_flagged_row_and_a_failed_step_are_told_apart(graph_call):
     dev.fail_at = "rows"
     assert _call(graph_call, dev, ids, w, x, torch.empty_like(x)) == GRAPH_CALL_FAILED
     assert dev.plan.error.decode() == "cuMemcpyAsync (rows) failed: CUresult 700"
-    five = request(5, 8, gen, experts=E)
+    five = request(5, 8, torch.Generator().manual_seed(4), experts=E)
     assert _call(graph_call, dev, five[1], five[2], five[0], five[0]) == GRAPH_CALL_FAILED
     assert "5 tokens" in dev.plan.error.decode()
