@@ -14,6 +14,11 @@
 #   BENCH_MPS     1: the benchmark runs under an MPS daemon of its own (transport.py --mps)
 #   BENCH_PRESET  the benchmark's preset (default: transport.py's)
 #   BENCH_GAP_US  the caller's work before each "spaced" call (default: transport.py's)
+#   BENCH_AB      N: then N rounds of the benchmark on the tree in .carry/base (BASE=<commit>
+#                 bash scripts/gpu_carry.sh) and on this one, alternated on this machine
+#                 (each installed in turn; both load this tree's kernel library), into
+#                 $OUT/base-R and $OUT/head-R
+#   BENCH_SERVE   more `expertd serve` flags for the benchmark's shards (--serve-args)
 #   EXAMPLE       1: also run examples/remote_experts_hf.py --device cuda --local-baseline
 #                 (needs transformers: HF=1 bash scripts/gpu_carry.sh) under an MPS daemon
 #   EXPERTD_KERNEL_LIB  a prebuilt libexpertd_kernels.so (skips the build)
@@ -53,17 +58,38 @@ $PY -P -m pytest -q -p no:cacheprovider -o addopts="" -m cuda --timeout 300 \
   "${@:-tests/gpu}" 2>&1 | tee "$OUT/tests.log" | grep -v "^I[0-9]" | tail -40
 tests_rc=${PIPESTATUS[0]}
 
-rc=0
-if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
-  echo "== transport benchmark"
-  $PY benchmarks/transport.py --out "$OUT" --device cuda \
+kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')
+bench() {  # bench OUTDIR: the transport benchmark, its table printed
+  mkdir -p "$1"
+  $PY benchmarks/transport.py --out "$1" --device cuda \
     --ms "${BENCH_MS-1,64,256,1024,4096}" --shards "${BENCH_SHARDS:-1,8}" \
     --reps "${BENCH_REPS:-100}" --transports "${BENCH_TRANSPORTS:-grpc,tcp,shm,cuda-ipc,cuda-ipc-stream}" \
     $([ "${BENCH_MPS:-0}" = 1 ] && echo --mps) \
     ${BENCH_PRESET:+--preset "$BENCH_PRESET"} ${BENCH_GAP_US:+--gap-us "$BENCH_GAP_US"} \
-    --kind "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')" \
-    2>&1 | tee "$OUT/transport.log" | grep -v "^I[0-9]\|^{" 
-  rc=${PIPESTATUS[0]}
+    ${BENCH_SERVE:+--serve-args "$BENCH_SERVE"} --kind "$kind" \
+    2>&1 | tee "$1/transport.log" | grep -v "^I[0-9]\|^{"
+  return "${PIPESTATUS[0]}"
+}
+install() {  # install TREE: the expertd package this process and the shards import
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$1" >>"$OUT/install.log" 2>&1 \
+    || { echo "installing $1 failed (see $OUT/install.log)"; return 1; }
+}
+rc=0
+if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
+  if [ "${BENCH_AB:-0}" -gt 0 ]; then
+    [ -d .carry/base ] || { echo "BENCH_AB needs .carry/base (BASE=<commit> bash scripts/gpu_carry.sh)"; exit 1; }
+    for round in $(seq "$BENCH_AB"); do
+      for tree in base head; do
+        echo "== transport benchmark, $tree tree, round $round"
+        install "$([ $tree = base ] && echo .carry/base || echo .)" || exit 1
+        bench "$OUT/$tree-$round" || rc=1
+      done
+    done
+    install . || exit 1
+  else
+    echo "== transport benchmark"
+    bench "$OUT" || rc=1
+  fi
 fi
 ex_rc=0
 if [ "${EXAMPLE:-0}" = 1 ]; then

@@ -7,6 +7,8 @@
 #                             (the wheel is 59 MB; this archive about 10 MB)
 #   .whl/hf/*.whl             transformers and its pure-Python needs (HF=1: the example)
 #   .carry/libexpertd_kernels.so  the kernel library, built here by nvcc (no GPU needed)
+#   .carry/base/              BASE=<commit>: that commit's product tree (no tests, docs or
+#                             results), for gpu_check.sh's BENCH_AB before/after runs
 #
 #   bash scripts/gpu_carry.sh            # HF=1 bash scripts/gpu_carry.sh for the example
 set -euo pipefail
@@ -42,6 +44,12 @@ if [ "${HF:-0}" = 1 ]; then
     case $(basename "$w") in numpy* | safetensors* | typing_extensions* | filelock* | fsspec* | kernels-*) ;;
       *) cp "$w" .whl/hf/ ;; esac
   done
+fi
+
+rm -rf .carry/base
+if [ -n "${BASE:-}" ]; then
+  mkdir -p .carry/base
+  git archive "$BASE" -- . ':!benchmarks/results' ':!docs' ':!tests' | tar -x -C .carry/base
 fi
 
 lib=$($PY -m expertd build-kernels | tail -1)
