@@ -56,7 +56,6 @@ def graph_call(tmp_path_factory):
             "c++",
             "-O2",
             "-Wall",
-            "-Werror",
             "-shared",
             "-fPIC",
             "-o",
