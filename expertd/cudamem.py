@@ -337,16 +337,13 @@ def driver() -> dict:
         copy = _driver_fn(lib, "cuMemcpyAsync")
         copy.argtypes = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
         copy.restype = ctypes.c_int
+        # called from C only (Calls: kernels/csrc/graph_call.cu), by their addresses
         launch = _driver_fn(lib, "cuGraphLaunch")
-        launch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         record = _driver_fn(lib, "cuEventRecord")
-        record.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         sync = _driver_fn(lib, "cuEventSynchronize")
-        sync.argtypes = (ctypes.c_void_p,)
         event = _driver_fn(lib, "cuEventCreate")
         event.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
-        for fn in (launch, record, sync, event):
-            fn.restype = ctypes.c_int
+        event.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
         _driver_fns.update(
             write=write,

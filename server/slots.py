@@ -186,10 +186,12 @@ class Slot:
         self._w_in = buf[layout.weights_offset : layout.weights_offset + 4 * mmax * k].view(
             np.float32
         )
-        self._lane_addresses = (0, 0, 0, 0)
+        # cuda-ipc: where a call's ids and weights lie in the slot (host) and its x and out
+        # rows (device), for a reader in C (server/lane.py; mapped while a call is in flight)
+        self.lane_addresses = (0, 0, 0, 0)
         if self._out_dev is not None:
             base = buf.ctypes.data
-            self._lane_addresses = (
+            self.lane_addresses = (
                 base + layout.ids_offset,
                 base + layout.weights_offset,
                 self._x.data_ptr(),
@@ -220,13 +222,6 @@ class Slot:
         np.copyto(self._w_np[:n], self._w_in[:n])
         x = self._x[: m * hidden].view(m, hidden)
         return x, self._ids[:n].view(m, k), self._w[:n].view(m, k)
-
-    @property
-    def lane_addresses(self) -> tuple[int, int, int, int]:
-        """cuda-ipc: where a call's ids and weights lie in the slot (host) and its x and
-        out rows (device), for a reader in C (server/lane.py; the slot stays mapped while
-        a call is in flight)."""
-        return self._lane_addresses
 
     @property
     def direct(self) -> bool:

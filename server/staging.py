@@ -140,18 +140,13 @@ class HostStaging:
                 ids_np[row:end, k:] = -1
                 w_np[row:end, k:] = 0.0
             row = end
-        self._pad(layout, ids_np, w_np, row)
-        return row
-
-    def _pad(self, layout: Layout, ids_np: np.ndarray, w_np: np.ndarray, rows: int) -> None:
-        """Rows from `rows` to the layout's end say "no route": only those an earlier
-        pack of this layout wrote (all of them after another layout's) are reset."""
         used = self._used
         dirty = used[1] if used is not None and used[0] == layout else layout.rows
-        if dirty > rows:
-            ids_np[rows:dirty] = -1
-            w_np[rows:dirty] = 0.0
-        self._used = (layout, rows)
+        if dirty > row:
+            ids_np[row:dirty] = -1
+            w_np[row:dirty] = 0.0
+        self._used = (layout, row)
+        return row
 
     def routes_at(self, layout: Layout) -> tuple[int, int]:
         """The addresses of `layout`'s ids and weights in `input`, for a packer outside
