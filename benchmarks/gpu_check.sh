@@ -16,7 +16,7 @@
 #   BENCH_GAP_US  the caller's work before each "spaced" call (default: transport.py's)
 #   BENCH_AB      N: then N rounds of the benchmark on the tree in .carry/base (BASE=<commit>
 #                 bash scripts/gpu_carry.sh) and on this one, alternated on this machine
-#                 (each installed in turn; both load this tree's kernel library), into
+#                 (each installed in turn, each loading its own kernel library), into
 #                 $OUT/base-R and $OUT/head-R
 #   BENCH_SERVE   more `expertd serve` flags for the benchmark's shards (--serve-args)
 #   EXAMPLE       1: also run examples/remote_experts_hf.py --device cuda --local-baseline
@@ -78,10 +78,18 @@ rc=0
 if [ -n "${BENCH_MS-1,64,256,1024,4096}" ]; then
   if [ "${BENCH_AB:-0}" -gt 0 ]; then
     [ -d .carry/base ] || { echo "BENCH_AB needs .carry/base (BASE=<commit> bash scripts/gpu_carry.sh)"; exit 1; }
+    head_lib=${EXPERTD_KERNEL_LIB:-}
     for round in $(seq "$BENCH_AB"); do
       for tree in base head; do
         echo "== transport benchmark, $tree tree, round $round"
         install "$([ $tree = base ] && echo .carry/base || echo .)" || exit 1
+        if [ $tree = base ] && [ -f .carry/base/libexpertd_kernels.so ]; then
+          export EXPERTD_KERNEL_LIB=$PWD/.carry/base/libexpertd_kernels.so
+        elif [ -n "$head_lib" ]; then
+          export EXPERTD_KERNEL_LIB=$head_lib
+        else
+          unset EXPERTD_KERNEL_LIB
+        fi
         bench "$OUT/$tree-$round" || rc=1
       done
     done

@@ -8,7 +8,8 @@
 #   .whl/hf/*.whl             transformers and its pure-Python needs (HF=1: the example)
 #   .carry/libexpertd_kernels.so  the kernel library, built here by nvcc (no GPU needed)
 #   .carry/base/              BASE=<commit>: that commit's product tree (no tests, docs or
-#                             results), for gpu_check.sh's BENCH_AB before/after runs
+#                             results) and its own kernel library, built here, for
+#                             gpu_check.sh's BENCH_AB before/after runs
 #
 #   bash scripts/gpu_carry.sh            # HF=1 bash scripts/gpu_carry.sh for the example
 set -euo pipefail
@@ -50,6 +51,12 @@ rm -rf .carry/base
 if [ -n "${BASE:-}" ]; then
   mkdir -p .carry/base
   git archive "$BASE" -- . ':!benchmarks/results' ':!docs' ':!tests' | tar -x -C .carry/base
+  # Its own library: the C functions the two trees call may differ. Every .cu of its
+  # kernels/csrc is a source of the library, with this tree's flags.
+  flags=$($PY -c "from expertd.kernels.build import NVCC_FLAGS; print(' '.join(NVCC_FLAGS))")
+  nvcc=$($PY -c "from expertd.kernels.build import find_nvcc; print(find_nvcc())")
+  # shellcheck disable=SC2086
+  "$nvcc" $flags -o .carry/base/libexpertd_kernels.so .carry/base/kernels/csrc/*.cu 2>/dev/null
 fi
 
 lib=$($PY -m expertd build-kernels | tail -1)
