@@ -415,9 +415,9 @@ def host_call(stream: torch.cuda.Stream, fn: int, arg: int) -> None:
 
 class Calls:
     """The driver's entry points for a per-call path written in C (kernels/csrc/
-    graph_call.cu: the copies, a graph's launch, a 32-bit store, an event's record and
-    wait, as cuMemcpyAsync, cuGraphLaunch, cuStreamWriteValue32, cuEventRecord and
-    cuEventSynchronize of the driver this process loaded), and events for it."""
+    graph_call.cu: a graph's launch, a 32-bit store, an event's record and wait, as
+    cuGraphLaunch, cuStreamWriteValue32, cuEventRecord and cuEventSynchronize of the
+    driver this process loaded), and events for it."""
 
     def __init__(self) -> None:
         fns = driver()
@@ -426,7 +426,7 @@ class Calls:
         def address(name: str) -> int:
             return ctypes.cast(fns[name], ctypes.c_void_p).value
 
-        self.copy, self.launch, self.write = address("copy"), address("launch"), address("write")
+        self.launch, self.write = address("launch"), address("write")
         self.record, self.sync = address("record"), address("sync")
 
     def event(self) -> int:

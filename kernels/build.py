@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("moe_nvfp4.cu", "graph_call.cu")
+SOURCES = ("moe_nvfp4.cu", "graph_call.cu", "rows.cu")
 LIB_NAME = "libexpertd_kernels.so"
 TARGET_ARCH = "sm_90a"
 TARGET_CAPABILITY = (9, 0)  # sm_90a code runs on this (major, minor) only

@@ -55,33 +55,55 @@ class _Args(ctypes.Structure):
 
 
 class GraphCallPlan(ctypes.Structure):
-    """Mirrors struct expertd_graph_call_plan in graph_call.cu: what one small call of a
-    captured forward copies where (fixed per graph buffers and routes buffer), the
-    stream, event and driver entry points it uses, and the last failure's text."""
+    """Mirrors struct expertd_graph_call_plan in graph_call.cu: where in its block (host
+    addresses) one call of a lane graph leaves its routes and finds its flags, the graph's
+    rows, the stream, event and driver entry points it uses, and the last failure's text."""
 
     _fields_ = [
+        ("header", ctypes.c_void_p),
         ("ids_host", ctypes.c_void_p),
         ("weights_host", ctypes.c_void_p),
-        ("routes_bytes", ctypes.c_longlong),
-        ("routes_dev", ctypes.c_uint64),
-        ("x_dev", ctypes.c_uint64),
-        ("out_dev", ctypes.c_uint64),
-        ("flags_dev", ctypes.c_uint64),
         ("flags_host", ctypes.c_void_p),
-        ("row_bytes", ctypes.c_longlong),
         ("rows", ctypes.c_int),
         ("top_k", ctypes.c_int),
         ("num_experts", ctypes.c_int),
         ("pad_", ctypes.c_int),
         ("stream", ctypes.c_void_p),
         ("event", ctypes.c_void_p),
-        ("copy", ctypes.c_void_p),
         ("launch", ctypes.c_void_p),
         ("write", ctypes.c_void_p),
         ("record", ctypes.c_void_p),
         ("sync", ctypes.c_void_p),
         ("error", ctypes.c_char * 160),
     ]
+
+
+CALL_HEADER_BYTES = 64  # struct expertd_call_header (call_block.h)
+
+
+@dataclass(frozen=True, slots=True)
+class CallBlock:
+    """Where a lane call's block (call_block.h) keeps its parts, as byte offsets: the
+    header, ids int32 [capacity, top_k], weights fp32 [capacity, top_k], flags [capacity]."""
+
+    capacity: int
+    top_k: int
+
+    @property
+    def ids_offset(self) -> int:
+        return CALL_HEADER_BYTES
+
+    @property
+    def weights_offset(self) -> int:
+        return CALL_HEADER_BYTES + 4 * self.capacity * self.top_k
+
+    @property
+    def flags_offset(self) -> int:
+        return CALL_HEADER_BYTES + 8 * self.capacity * self.top_k
+
+    @property
+    def nbytes(self) -> int:
+        return self.flags_offset + self.capacity
 
 
 # expertd_graph_call's answers (graph_call.cu)
@@ -117,6 +139,15 @@ def _declare_graph_call(fn) -> None:
     ]
 
 
+def _declare_rows(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.expertd_nonfinite_rows.restype = i
+    lib.expertd_nonfinite_rows.argtypes = [p, p, p, p, ctypes.c_longlong, i, i, p]
+    for fn in (lib.expertd_call_in, lib.expertd_call_out):
+        fn.restype = i
+        fn.argtypes = [p, i, p, p, p, i, i, i, p]
+
+
 def open_library(path: str | os.PathLike) -> ctypes.CDLL:
     """Load the kernel library at `path` (once per path) with its C functions declared."""
     key = os.path.realpath(path)
@@ -142,6 +173,8 @@ def open_library(path: str | os.PathLike) -> ctypes.CDLL:
             lib.expertd_moe_forward.argtypes = [ctypes.POINTER(_Args)]
             if hasattr(lib, "expertd_graph_call"):  # absent from a library built before it
                 _declare_graph_call(lib.expertd_graph_call)
+            if hasattr(lib, "expertd_nonfinite_rows"):
+                _declare_rows(lib)
             _OPENED[key] = lib
         return lib
 
@@ -392,6 +425,82 @@ class CudaBackend:
         if dest is not out:
             dest.copy_(out)
         return dest
+
+    # -- the per-row kernels (rows.cu) --------------------------------------------------------
+
+    def has_row_kernels(self) -> bool:
+        """Whether the library has rows.cu's kernels (one built before them has not)."""
+        return hasattr(self._lib, "expertd_nonfinite_rows")
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def nonfinite_rows_into(self, x, weights, bad, output) -> torch.Tensor:
+        """bad bool [M] <- row r of x (bf16 [M, H]), weights (fp32 [M, K]) or output (bf16
+        [M, H]) holds NaN/Inf, in one launch on the current stream (what
+        server.graphs.nonfinite_rows computes in nine torch ops)."""
+        m, h = x.shape
+        for name, t, shape, dtype in (
+            ("x", x, (m, h), torch.bfloat16),
+            ("output", output, (m, h), torch.bfloat16),
+            ("weights", weights, (m, weights.shape[-1]), torch.float32),
+            ("bad", bad, (m,), torch.bool),
+        ):
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous {dtype} {list(shape)}")
+        with torch.cuda.device(self.device):
+            rc = self._lib.expertd_nonfinite_rows(
+                x.data_ptr(),
+                weights.data_ptr(),
+                output.data_ptr(),
+                bad.data_ptr(),
+                m,
+                h,
+                weights.shape[1],
+                self._stream(),
+            )
+        if rc:
+            raise RuntimeError(f"expertd_nonfinite_rows: CUDA error {rc}")
+        return bad
+
+    def call_in(self, block: int, capacity: int, x, ids, weights) -> None:
+        """A lane graph's first step on the current stream: routes from the mapped block
+        at device address `block` (of `capacity` rows) into ids and weights (every row),
+        and its header's m rows of x into x (rows.cu)."""
+        rows, h = x.shape
+        with torch.cuda.device(self.device):
+            rc = self._lib.expertd_call_in(
+                block,
+                capacity,
+                ids.data_ptr(),
+                weights.data_ptr(),
+                x.data_ptr(),
+                rows,
+                ids.shape[1],
+                h,
+                self._stream(),
+            )
+        if rc:
+            raise RuntimeError(f"expertd_call_in: CUDA error {rc}")
+
+    def call_out(self, block: int, capacity: int, x, weights, out) -> None:
+        """A lane graph's last step: the header's m rows of out to its destination and
+        each row's NaN/Inf flag (of x, weights and out) into the block (rows.cu)."""
+        rows, h = out.shape
+        with torch.cuda.device(self.device):
+            rc = self._lib.expertd_call_out(
+                block,
+                capacity,
+                x.data_ptr(),
+                weights.data_ptr(),
+                out.data_ptr(),
+                rows,
+                weights.shape[1],
+                h,
+                self._stream(),
+            )
+        if rc:
+            raise RuntimeError(f"expertd_call_out: CUDA error {rc}")
 
 
 class GraphedForward:

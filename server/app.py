@@ -301,7 +301,10 @@ def load_and_warm(
     if bank is None:
         bank = ExpertBank.load(config, source=source)
     runner = BatchRunner(
-        bank, graph_max_tokens=config.graph_max_tokens, depth=config.pipeline_depth
+        bank,
+        graph_max_tokens=config.graph_max_tokens,
+        depth=config.pipeline_depth,
+        lane=config.lane,
     )
     runner.warmup()
     return bank, runner

@@ -20,13 +20,23 @@ into CUDA: ~160 us of host time at M = 1 on the H200 host against ~65 us).
 The copies move the bucket's rows, not only the batch's, which costs little
 below 64 rows (<= 0.5 MiB at H = 4096).
 
+Lane graphs (`lane=True`, a backend with the row kernels of kernels/csrc/rows.cu)
+serve one call at a time from a slot's own thread (server/lane.py): each reads its
+call from a block of mapped host memory per slot (kernels/csrc/call_block.h: where
+the call's x lies in device memory, where its rows go, how many, and its routes),
+copies x and the routes in with its first kernel, runs the forward, and copies the
+rows out and writes their NaN/Inf flags into the block with its last. A call is then
+one launch, whatever slot of whatever client it came from.
+
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
 host sync or allocation inside it (the `cuda` backend).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,12 +169,19 @@ def host_nonfinite_rows(x: torch.Tensor, weights: torch.Tensor, output: torch.Te
 def forward_checked(backend, state, x, ids, weights, out, bad) -> None:
     """out <- the forward, bad <- nonfinite_rows of inputs and output, on the current
     stream. What a graph replays, and what an eager batch on the GPU runs (the same
-    ops: the same bits)."""
+    ops: the same bits). The cuda backend's check is one kernel (kernels/csrc/rows.cu)."""
     if hasattr(backend, "forward_into"):
         backend.forward_into(state, x, ids, weights, out)
     else:
         out.copy_(backend.forward(state, x, ids, weights))
-    nonfinite_rows(x, weights, out=bad, output=out)
+    if _row_kernels(backend):
+        backend.nonfinite_rows_into(x, weights, bad, out)
+    else:
+        nonfinite_rows(x, weights, out=bad, output=out)
+
+
+def _row_kernels(backend) -> bool:
+    return getattr(backend, "has_row_kernels", lambda: False)()
 
 
 class GraphBank:
@@ -178,6 +195,7 @@ class GraphBank:
         buckets=DEFAULT_BUCKETS,
         slots: int = 1,
         fused_rows: int = 0,
+        lane: bool = False,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -202,6 +220,14 @@ class GraphBank:
         # fused buckets' graphs without the host copies (device inputs: cuda-ipc slots)
         self._plain: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._keep: list[torch.Tensor] = []  # workspaces baked into graphs stay alive
+        # lane graphs and their blocks of mapped host memory, one per slot (module doc)
+        self._lane: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.blocks: list[LaneBlock] = []
+        if lane and hidden_size % 8 == 0 and _row_kernels(backend):  # rows.cu moves 16 bytes
+            from expertd.kernels.cuda import CallBlock
+
+            shape = CallBlock(self.buckets[-1], top_k)
+            self.blocks = [LaneBlock(shape, self.device) for _ in range(slots)]
 
     def buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot's packed (input, output) device buffers: uint8, fixed addresses."""
@@ -258,7 +284,22 @@ class GraphBank:
                         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                             forward_checked(*args)
                         self._plain[(layer, m, slot)] = graph
+                    if self.blocks:
+                        block = self.blocks[slot]
+                        cap = block.shape.capacity
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                            self.backend.call_in(block.device_ptr, cap, x, ids, weights)
+                            self.backend.forward_into(state, x, ids, weights, out)
+                            self.backend.call_out(block.device_ptr, cap, x, weights, out)
+                        self._lane[(layer, m, slot)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def lane_exec(self, layer: int, bucket: int, slot: int) -> int | None:
+        """The driver handle (CUgraphExec) of (layer, bucket, slot)'s lane graph, for a
+        caller that launches it itself (server/lane.py); None: no such graph."""
+        graph = self._lane.get((layer, bucket, slot))
+        return None if graph is None else graph.raw_cuda_graph_exec()
 
     def bucket(self, layer: int, m: int, top_k: int) -> int | None:
         """The bucket whose graph runs (layer, m tokens, top_k), or None: run eager."""
@@ -267,11 +308,6 @@ class GraphBank:
         bucket = next(b for b in self.buckets if b >= m)
         return bucket if (layer, bucket, 0) in self._graphs else None
 
-    def exec_handle(self, layer: int, bucket: int, slot: int) -> int:
-        """The driver handle (CUgraphExec) of a fused bucket's graph without the host
-        copies, for a caller that launches it itself (server/lane.py)."""
-        return self._plain[(layer, bucket, slot)].raw_cuda_graph_exec()
-
     def replay(self, layer: int, bucket: int, slot: int, plain: bool = False) -> None:
         """Replay on the current stream: reads the slot's input buffer in
         `layouts[bucket]`, writes its output buffer. `plain`: without the host copies
@@ -279,3 +315,19 @@ class GraphBank:
         key = (layer, bucket, slot)
         graph = self._plain.get(key) if plain else None
         (graph or self._graphs[key]).replay()
+
+
+class LaneBlock:
+    """A slot's block for its lane graphs (kernels/csrc/call_block.h, `CallBlock` says
+    where its parts lie): page-locked host memory mapped into the GPU's address space,
+    written by the lane's C call and read by the graph, for as long as the process runs
+    (the graphs keep its device address)."""
+
+    def __init__(self, shape, device: torch.device) -> None:
+        from expertd import cudamem
+
+        self.shape = shape
+        self._map = mmap.mmap(-1, -(-shape.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._pinned = cudamem.PinnedHost(self.addr, len(self._map), device, mapped=True)
+        self.device_ptr = self._pinned.device_ptr

@@ -1,28 +1,29 @@
-"""The lane: a small call of a cuda-ipc slot, run to its answer by the slot's own thread.
+"""The lane: a cuda-ipc slot's call, run to its answer by the slot's own thread.
 
 A small call on a GPU shard is mostly host time: the GPU part of M = 1 is a few tens of
 microseconds, and the general path around it (the checks as tensors, a Job, the batcher's
 start and finish, the runner's views and flights, a result object, torch's stream and
 event calls) costs more than that on the shard's host alone (docs/dataplane.md). When
-the batcher is idle, a cuda-ipc slot's call of up to FUSED_ROWS tokens whose layer has a
-captured graph takes the lane instead: its waiter thread makes one C call
-(kernels/csrc/graph_call.cu, without the interpreter's lock) that
+the batcher is idle, a cuda-ipc slot's call whose (layer, bucket) has a lane graph
+(server/graphs.py: every captured bucket, up to 1024 tokens) takes the lane instead: its
+waiter thread makes one C call (kernels/csrc/graph_call.cu, without the interpreter's
+lock) that
 
-1. copies the call's ids and weights from the slot into the runner slot's page-locked
-   routes buffer, padded to the bucket as `HostStaging.pack` pads, and checks the copy
-   (ids in [-1, E));
-2. queues on the runner's compute stream the routes up, x from the slot's device region
-   into the graph's input, the bucket's graph without host copies, the rows into the
-   slot's device out region, the rows' NaN/Inf flags down, the client's stream bell (an
-   on-stream call, a captured one included) and an event; then waits for the event;
+1. copies the call's ids and weights from the slot into the runner slot's lane block
+   (mapped host memory), padded to the bucket with "no route", checks the copy (ids in
+   [-1, E)) and writes the call's header there: m, where x lies, where the rows go;
+2. launches the bucket's lane graph on the runner's compute stream (x and the routes in,
+   the forward, the rows out into the slot's device out region and their NaN/Inf flags
+   into the block), queues the client's stream bell (an on-stream call, a captured one
+   included) and an event, and waits for the event;
 
 and then answers: status, timing and resp_seq into the slot, as the batcher's finisher
 does.
 
-The same graph, buffers and copies as `BatchRunner._enqueue_device` with one batch
-alone: the same bits. Anything else takes the general path: an id out of range or a
-non-finite row (its error comes from there, with its message), tracing on, a batch in
-flight or queued, a call larger than the fused buckets or of a layer without graphs.
+The forward is the graph's, on the same buffers as a batch of this call alone: the same
+bits. Anything else takes the general path: an id out of range or a non-finite row (its
+error comes from there, with its message), tracing on, a batch in flight or queued, a
+call larger than the largest bucket or of a layer without graphs.
 `expertd serve --lane off` sends every call the general way.
 """
 
@@ -42,50 +43,34 @@ from expertd.kernels.cuda import (
     GraphCallPlan,
     graph_call_fn,
 )
-from expertd.server.runner import FUSED_ROWS
 
 log = logging.getLogger("expertd.server")
 
 
 class _Plan:
-    """What a call of one (runner slot, bucket) copies where, fixed while the runner
-    slot's host buffers stay the ones planned for (an eager batch may grow them)."""
+    """Where a call of one (runner slot, bucket) leaves its routes and finds its flags."""
 
-    __slots__ = ("c", "exec_by_layer", "host", "input", "layout", "output")
+    __slots__ = ("c", "exec_by_layer")
 
     def __init__(self, lane: Lane, index: int, bucket: int) -> None:
-        graphs = lane.graphs
-        self.layout = layout = graphs.layouts[bucket]
-        self.host = host = lane.runner.slot_host(index)  # page-locked, on CUDA
-        ids_at, weights_at = host.routes_at(layout)
-        self.input, self.output = host.input, host.output
-        dev_in, dev_out = graphs.buffers(index)
-        calls = lane.calls
+        block = lane.graphs.blocks[index]
+        shape, addr, calls = block.shape, block.addr, lane.calls
         self.c = GraphCallPlan(
-            ids_host=ids_at,
-            weights_host=weights_at,
-            routes_bytes=layout.x_offset,  # ids and weights of every row of the bucket
-            routes_dev=dev_in.data_ptr(),
-            x_dev=dev_in.data_ptr() + layout.x_offset,
-            out_dev=dev_out.data_ptr() + layout.out_offset,
-            flags_dev=dev_out.data_ptr(),
-            flags_host=host.output.data_ptr(),
-            row_bytes=2 * layout.hidden,
-            rows=layout.rows,
-            top_k=layout.top_k,
+            header=addr,
+            ids_host=addr + shape.ids_offset,
+            weights_host=addr + shape.weights_offset,
+            flags_host=addr + shape.flags_offset,
+            rows=bucket,
+            top_k=shape.top_k,
             num_experts=lane.num_experts,
             stream=lane.stream,
             event=lane.events[index],
-            copy=calls.copy,
             launch=calls.launch,
             write=calls.write,
             record=calls.record,
             sync=calls.sync,
         )
-        self.exec_by_layer: dict[int, int] = {}
-
-    def current(self) -> bool:
-        return self.input is self.host.input and self.output is self.host.output
+        self.exec_by_layer: dict[int, int | None] = {}
 
 
 class Lane:
@@ -119,23 +104,27 @@ class Lane:
         or the driver's calls or the kernel library's are missing (logged)."""
         if runner.graphs is None or runner.device.type != "cuda":
             return None
+        if not runner.graphs.blocks:
+            log.warning("slot calls take the general path: no lane graphs (H % 8, library)")
+            return None
         try:
             lane = cls(servicer, runner, batcher, num_experts)
         except Exception as e:  # the driver's entry points, an old kernel library
             log.warning("small slot calls take the general path: %s", e)
             return None
-        log.info("small cuda-ipc slot calls take the lane (up to %d tokens)", FUSED_ROWS)
+        log.info("cuda-ipc slot calls take the lane (up to %d tokens)", runner.graphs.buckets[-1])
         return lane
 
     def run(self, slot, layer: int, m: int, k: int, timeout_us: int, received: int) -> bool:
         """Run a checked cuda-ipc slot call (m >= 1, k within the slot's top_k) to its
         answer -> True; False: nothing answered, the call takes the general path."""
-        if m > FUSED_ROWS:
-            return self._decline(f"more than {FUSED_ROWS} tokens")
         graphs = self.graphs
         bucket = graphs.bucket(layer, m, k)
         if bucket is None:
             return self._decline(f"no graph for layer {layer}, {m} tokens, top-k {k}")
+        ids, weights, x, out = slot.lane_addresses
+        if (x | out) & 15:
+            return self._decline("the slot's rows are not 16-byte aligned")
         if not getattr(self._threads, "ready", False):  # the driver calls need the context
             make_current(self.runner.device)
             self._threads.ready = True
@@ -147,16 +136,16 @@ class Lane:
             if timeout_us and started - received >= timeout_us * 1000:
                 return self._decline("deadline passed")  # the general path says so
             plan = self._plans.get((index, bucket))
-            if plan is None or not plan.current():
+            if plan is None:
                 plan = self._plans[(index, bucket)] = _Plan(self, index, bucket)
-            graph = plan.exec_by_layer.get(layer)
+            if layer not in plan.exec_by_layer:
+                plan.exec_by_layer[layer] = graphs.lane_exec(layer, bucket, index)
+            graph = plan.exec_by_layer[layer]
             if graph is None:
-                graph = plan.exec_by_layer[layer] = graphs.exec_handle(layer, bucket, index)
+                return self._decline(f"no lane graph for layer {layer}, bucket {bucket}")
             bell_addr, bell_value = slot.stream_bell() or (0, 0)
-            ids, weights, x, out = slot.lane_addresses
             rc = self.call(plan.c, graph, m, k, ids, weights, x, out, bell_addr, bell_value)
             computed = time.perf_counter_ns()
-            plan.host.packed(plan.layout, None if rc == GRAPH_CALL_BAD_ID else m)
             if rc == GRAPH_CALL_BAD_ID:
                 slot.bell_queued = False  # nothing was queued: the general path answers
                 return self._decline("an id out of range")  # the general path names it

@@ -196,7 +196,9 @@ class BatchRunner:
         bank: ExpertBank,
         graph_max_tokens: int = DEFAULT_BUCKETS[-1],
         depth: int | None = None,
+        lane: bool = False,
     ) -> None:
+        """`lane`: also capture the lane's graphs (server/lane.py) where the backend can."""
         self.bank = bank
         self.device = bank.backend.device
         self.hidden = bank.info.hidden_size
@@ -210,7 +212,13 @@ class BatchRunner:
         if buckets and capturable(bank.backend):
             top_k = bank.info.top_k or 8
             self.graphs = GraphBank(
-                bank.backend, self.hidden, top_k, buckets, slots=self.depth, fused_rows=FUSED_ROWS
+                bank.backend,
+                self.hidden,
+                top_k,
+                buckets,
+                slots=self.depth,
+                fused_rows=FUSED_ROWS,
+                lane=lane,
             )
         in_bytes = out_bytes = 0
         fused = (0, 0)
@@ -244,10 +252,6 @@ class BatchRunner:
     def compute_stream(self) -> torch.cuda.Stream:
         """The stream every forward runs on (CUDA)."""
         return self._compute
-
-    def slot_host(self, index: int) -> HostStaging:
-        """The slot's packed host buffers (page-locked on CUDA)."""
-        return self._slot_bufs[index].host
 
     def warmup(self) -> None:
         """Before SERVING: capture the CUDA graphs (which also builds and loads the

@@ -148,18 +148,6 @@ class HostStaging:
         self._used = (layout, row)
         return row
 
-    def routes_at(self, layout: Layout) -> tuple[int, int]:
-        """The addresses of `layout`'s ids and weights in `input`, for a packer outside
-        this class (kernels/csrc/graph_call.cu), which then says what it wrote (`packed`)."""
-        self.reserve(layout.in_bytes, layout.out_bytes)
-        base = self.input.data_ptr()
-        return base, base + layout.weights_offset
-
-    def packed(self, layout: Layout, rows: int | None) -> None:
-        """Another packer wrote `layout`'s routes: rows from `rows` to the layout's end say
-        "no route" (None: not known, the next `pack` resets every padding row)."""
-        self._used = None if rows is None else (layout, rows)
-
     def result(self, layout: Layout, m: int) -> Result:
         """The first m rows of `output`, once the device has written it."""
         buf, off = self._out_np, layout.out_offset

@@ -1,10 +1,10 @@
-"""The lane (server/lane.py): small cuda-ipc slot calls answered on the slot's own
-thread. Two GPU shard processes of one model, one with the lane and one with
-`--lane off`, each owning every expert: their answers are the same bits as each
-other's and gRPC's at every fused bucket size and top-k, over plain and on-stream
-calls; the lane's metric shows it answered them; calls it must not take (a NaN, a layer
-not served, a call larger than the fused buckets) get the general path's answer and
-the shard keeps serving. Skipped without CUDA."""
+"""The lane (server/lane.py): cuda-ipc slot calls answered on the slot's own thread
+through the lane graphs. Two GPU shard processes of one model, one with the lane and
+one with `--lane off`, each owning every expert: their answers are the same bits as
+each other's and gRPC's at bucket sizes from 1 to 1000 tokens and at several top-k,
+over plain and on-stream calls; the lane's metric shows it answered them; calls it must
+not take (a NaN, a layer not served, a call larger than the largest bucket) get the
+general path's answer and the shard keeps serving. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_lane_answers_are_the_general_paths_bits(shards):
         ExpertClient([lane.address], transport="grpc") as ref,
     ):
         assert a.stats()[lane.address]["transport"] == dp.CUDA_IPC
-        for m in (1, 2, 3, 8, 17, 64):
+        for m in (1, 2, 3, 8, 17, 64, 100, 1000):
             for layer in (0, 1):
                 x, ids, w = cuda_inputs(PRESET, m, seed=10 * m + layer)
                 if m == 3:
@@ -118,7 +118,7 @@ def test_calls_the_lane_declines_get_the_general_answer(shards):
             client.forward(7, x, ids, w)
         assert "layer 7" in str(e.value)
         assert _metric(lane_port, "expertd_lane_calls_total") == before
-        big_x, big_ids, big_w = cuda_inputs(PRESET, 200, seed=8)  # past the fused buckets
+        big_x, big_ids, big_w = cuda_inputs(PRESET, 1500, seed=8)  # past the largest bucket
         assert torch.equal(
             client.forward(0, big_x, big_ids, big_w), ref.forward(0, big_x, big_ids, big_w)
         )
