@@ -53,9 +53,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # than it works; spinning would take a core from the client and from the other shards.
 WAIT_SPIN_S = 0.0
 # A slot whose calls come at a steady pace (a decode loop: one per layer, the caller's own
-# work between them) is not slept on right up to its next call: in a process with spare
-# CPUs (dp.spare_cpus) the waiter keeps its pace (dp.NEXT_EARLY_S), the gaps being those
-# from an answer to the next doorbell.
+# work between them) is not slept on right up to its next call: the waiter keeps its pace
+# (dp.NEXT_EARLY_S), the gaps being those from an answer to the next doorbell; any gap under
+# dp.NEXT_MAX_S in a process with spare CPUs (dp.spare_cpus), only a back-to-back caller's
+# (under dp.NEXT_MAX_FEW_S) without.
 WAIT_SLICE_S = 0.5  # FUTEX_WAIT slices: how soon a waiter notices its lease closed
 PIN_MIN_ROWS = 256  # a GPU shard's host slot page-locks x and out rows from this many up
 
@@ -399,7 +400,9 @@ class SlotRegistry:
         self.leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.keep_pace = dp.spare_cpus()  # waiters keep their slots' pace (dp.NEXT_EARLY_S)
+        # waiters keep their slots' pace (dp.NEXT_EARLY_S): any gap under NEXT_MAX_S with
+        # spare CPUs, only a back-to-back caller's (dp.NEXT_MAX_FEW_S) without
+        self.pace_max_s = dp.NEXT_MAX_S if dp.spare_cpus() else dp.NEXT_MAX_FEW_S
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(dp.abstract_address(self.name))
         self._sock.listen(64)
@@ -580,7 +583,7 @@ class SlotRegistry:
     def _wait_loop(self, slot: Slot) -> None:
         last = 0
         lease = slot.lease
-        gaps = dp.Recent() if self.keep_pace else None  # answer -> next doorbell
+        gaps = dp.Recent()  # answer -> next doorbell
         answered = 0.0  # time.monotonic() when the last call was answered (0.0: none lately)
         took = False
         while not lease.closed:
@@ -595,8 +598,8 @@ class SlotRegistry:
                 answered, took = now, False
             deadline = now + WAIT_SLICE_S
             spin = WAIT_SPIN_S
-            low = gaps.low() if gaps is not None and answered else 0.0
-            if 0.0 < low < dp.NEXT_MAX_S and ctl.req_seq == last:
+            low = gaps.low() if answered else 0.0
+            if 0.0 < low < self.pace_max_s and ctl.req_seq == last:
                 due = answered + low - dp.NEXT_EARLY_S
                 if due > now:  # asleep until shortly before the next call is due
                     dp.wait_word(ctl, "req_seq", slot.req_addr, last, due, 0.0, slot.sem)
@@ -604,7 +607,7 @@ class SlotRegistry:
             if not dp.wait_word(ctl, "req_seq", slot.req_addr, last, deadline, spin, slot.sem):
                 answered = 0.0  # a slice without a call: no pace to keep
                 continue
-            if gaps is not None and answered:
+            if answered:
                 gaps.add(time.monotonic() - answered)
             took = True
             seq = last = ctl.req_seq

@@ -423,7 +423,7 @@ def test_paced_waiters_answer_every_call_whatever_the_gaps(bank_all, monkeypatch
     monkeypatch.setattr(dp, "_SPARE", True)
     gen = torch.Generator().manual_seed(21)
     with BackgroundServer(shard_config(0, **ALL), bank=bank_all) as server:
-        assert server.servicer.slots.keep_pace
+        assert server.servicer.slots.pace_max_s == dp.NEXT_MAX_S
         with (
             ExpertClient([server.address], transport="shm") as shm,
             ExpertClient([server.address], transport="grpc") as rpc,
