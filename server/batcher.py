@@ -21,6 +21,9 @@ there. The GPU part of such a batch is tens of microseconds (~200 us at 16
 tokens of muse-spark), less than the two thread hand-offs it saves (loop ->
 compute thread -> loop: ~240 us on the H200 host, benchmarks/rpc_floor.py);
 requests that arrive meanwhile wait in gRPC's queue and form the next batch.
+A CPU shard does the same while its small batches have recently taken at most
+INLINE_CPU_MAX_S each (its compute is one batch at a time anyway; other calls wait
+at most that long to be read).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ SENT = b""  # a Job's result when its sink took the answer
 # Batches of up to this many tokens run on the event loop when nothing else is in
 # flight on the GPU (see above); 0 turns that off.
 INLINE_TOKENS = 16
+# On a CPU shard, only while the last few such batches each took at most this long.
+INLINE_CPU_MAX_S = 5e-3
 
 # A slot call that finds another slot call running on its thread (run_direct) waits
 # this long for it before queueing on the event loop (whose hand-offs cost more).
@@ -104,6 +109,10 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self.computing = 0  # tokens of the batches in flight (launched, not yet answered)
         self._running_direct = False  # a call runs on its slot's thread (run_direct)
+        # compute time (s) of the last 8 batches of at most INLINE_TOKENS (a CPU's _here);
+        # a list written in place: any thread finishes batches, the loop's reads it
+        self._small: list[float] = []
+        self._small_at = 0
         self._slots = asyncio.Semaphore(runner.depth)  # batches in flight <= runner's slots
         self._flights: set[asyncio.Task] = set()
         # Waits for batches on the device and writes their responses, while the compute
@@ -301,9 +310,21 @@ class Batcher:
         _settle(jobs, results)
 
     def _here(self, tokens: int) -> bool:
-        """Run this batch on the loop's thread: small, on a GPU, nothing else in flight
-        (so the compute thread is idle and the GPU has only this batch to do)."""
-        return tokens <= INLINE_TOKENS and self.computing == 0 and self.runner.device.type == "cuda"
+        """Run this batch on the loop's thread: small, nothing else in flight (so the
+        compute thread is idle and the device has only this batch to do), on a GPU or
+        on a CPU whose recent small batches were short (INLINE_CPU_MAX_S)."""
+        if tokens > INLINE_TOKENS or self.computing:
+            return False
+        if self.runner.device.type == "cuda":
+            return True
+        return bool(self._small) and max(self._small) <= INLINE_CPU_MAX_S
+
+    def _note_small(self, seconds: float) -> None:
+        if len(self._small) < 8:
+            self._small.append(seconds)
+        else:
+            self._small[self._small_at] = seconds
+            self._small_at = (self._small_at + 1) % 8
 
     def _run_here(self, jobs: list[Job]) -> None:
         """Launch, wait, answer on this thread; the slot is free again on return."""
@@ -387,6 +408,8 @@ class Batcher:
             computed = time.perf_counter_ns()
             stage = flight.stage_ns
             batch_tokens = sum(j.tokens for j in jobs)
+            if batch_tokens <= INLINE_TOKENS:
+                self._note_small((computed - started) / 1e9)
             results, row = [], 0
             for job in jobs:
                 rows = job.tokens

@@ -21,6 +21,7 @@ from conftest import PRESET, hidden, shard_config
 from expertd import wire
 from expertd.codec import parse_forward_response
 from expertd.kernels import reference_forward, relative_error
+from expertd.server import batcher as batcher_module
 from expertd.server.bank import ExpertBank
 from expertd.server.batcher import INLINE_TOKENS, Batcher, BatchPolicy, Job
 from expertd.server.graphs import ALIGN, Layout
@@ -449,6 +450,52 @@ def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
         if x.shape[0] in failing:
             assert isinstance(res, RuntimeError) and "simulated" in str(res)
             continue
+        out = wire.decode(parse_forward_response(res).output, "output")
+        ref = reference_forward(full_layers[req.layer], x, ids, w.float())
+        assert relative_error(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("limit_s, here_want", [(60.0, [1, 1, 1]), (1e-9, [])])
+def test_a_cpu_shard_runs_small_batches_on_the_loop_while_they_are_short(
+    bank0, full_layers, monkeypatch, limit_s, here_want
+):
+    """On a CPU the batcher runs a lone small batch on its loop once its last small
+    batches each took at most INLINE_CPU_MAX_S (the first has no history: the compute
+    thread); one past INLINE_TOKENS, or any while they are slower, takes the compute
+    thread. The answers are the reference's either way."""
+    monkeypatch.setattr(batcher_module, "INLINE_CPU_MAX_S", limit_s)
+    runner = BatchRunner(bank0, depth=1)
+    here, threaded = [], []
+    run_here, launch_there = Batcher._run_here, Batcher._launch
+    monkeypatch.setattr(
+        Batcher, "_run_here", lambda self, jobs: (here.append(len(jobs)), run_here(self, jobs))
+    )
+    monkeypatch.setattr(
+        Batcher,
+        "_launch",
+        lambda self, jobs: (threaded.append(len(jobs)), launch_there(self, jobs))[1],
+    )
+    cases = [forward_request(m, 8, seed) for seed, m in enumerate([1, 2, 3, 40, 1])]
+    limits = Limits(max_tokens=1024, max_top_k=64)
+
+    async def go():
+        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
+        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        results = []
+        for req, _ in cases:  # one at a time: each is a lone batch
+            args = parse_forward(req, bank0.info, limits, bank0.has_layer)
+            job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
+            batcher.submit(job)
+            results.append(await job.future)
+        await batcher.stop()
+        compute.shutdown()
+        return results
+
+    results = asyncio.run(go())
+    assert here == here_want and len(threaded) == 5 - len(here_want)
+    for (req, (x, ids, w)), res in zip(cases, results, strict=True):
         out = wire.decode(parse_forward_response(res).output, "output")
         ref = reference_forward(full_layers[req.layer], x, ids, w.float())
         assert relative_error(out, ref) <= 1e-2
