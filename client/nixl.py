@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from expertd import dataplane as dp
-from expertd import nixl
+from expertd import nixl, rawtcp
 from expertd.client.cudaipc import gather_rows, side_stream
 from expertd.client.shm import NO_TRACE, LeaseError, SlotPool, fill_rows
 from expertd.client.stream import StreamCallError
@@ -276,6 +277,7 @@ class NixlSlot:
             self.pending = False
             lease.ended(f"NIXL transfer failed ({e})")
             raise lease.error() from None
+        lease.ring()
 
     def _handle(self, agent, peer: str, m: int, k: int):
         """A WRITE of m rows' x, and of their ids and weights unless the CALL carries
@@ -319,7 +321,8 @@ class NixlSlot:
         if seq != self.seq or not self.pending:
             return
         self._answer = (status, rows, timing, text)
-        self.took = time.monotonic() - self.sent_at
+        self.lease.active_at = now = time.monotonic()
+        self.took = now - self.sent_at
         self.pending = False
         self.lease.owner.progress.settle(self)
         self.event.set()
@@ -368,6 +371,22 @@ class NixlSlot:
         return dict(self._answer[2]) if self._answer is not None else {}
 
 
+async def _wake_socket(address: str, port: int, token: bytes):
+    """(socket, address, token) for the shard's wake port on the host of its gRPC
+    `address`, or None when that host does not resolve (calls then wait out the
+    shard's naps)."""
+    host = rawtcp.host_of(address)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError as e:
+        log.info("nixl: the wake port of %s is not reachable (%s)", address, e)
+        return None
+    family, _, _, _, where = infos[0]
+    sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    return sock, where, bytes(token)
+
+
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -394,6 +413,22 @@ class NixlLease:
         self.closed = False
         self.why = ""
         self.waiters: dict[int, tuple[int, asyncio.Future]] = {}
+        # the shard's wake port (nixl.WakePort): (socket, address, token), or None
+        self.wake: tuple[socket.socket, tuple, bytes] | None = None
+        self.active_at = 0.0  # time.monotonic() of the last CALL sent or answer seen
+
+    def ring(self) -> None:
+        """After a CALL's WRITE: wake the shard's progress thread with a datagram, when
+        the lease was quiet long enough that the thread may be in its naps (it polls
+        often for Progress.HOT_S after any activity: its last answer, or a CALL)."""
+        now = time.monotonic()
+        quiet = now - self.active_at
+        self.active_at = now
+        if self.wake is None or quiet < nixl.Progress.HOT_S * 0.75:
+            return
+        sock, where, token = self.wake
+        with contextlib.suppress(OSError):  # a hint: a lost one costs the shard's nap
+            sock.sendto(token, where)
 
     def check_closed(self) -> bool:
         return self.closed
@@ -433,6 +468,9 @@ class NixlLease:
 
     def close(self) -> None:
         self.ended("closed by the client")
+        if self.wake is not None:
+            self.wake[0].close()
+            self.wake = None
         if self.call is not None:
             self.call.cancel()
         if self.watcher is not None:
@@ -539,6 +577,8 @@ class NixlChannel(SlotPool):
                 slot.remote_device = region.device_id
             lease.peer = await owner.connect(reply.nixl.agent_metadata, timeout)
             lease.lease_id = reply.lease_id
+            if reply.wake_port and reply.wake_token:
+                lease.wake = await _wake_socket(self.address, reply.wake_port, reply.wake_token)
             owner.add(lease)
         except BaseException:
             lease.closed = True

@@ -464,6 +464,16 @@ def _serve_parser(sub) -> None:
         group=run,
     )
     o(
+        "--nixl-wake-port",
+        env="NIXL_WAKE_PORT",
+        type=_port_or_off,
+        default=0,
+        metavar="PORT|off",
+        help="UDP port of the serving host where NIXL clients wake this shard's progress "
+        "thread after a quiet time (0: any free port; off: none, calls wait out its naps)",
+        group=run,
+    )
+    o(
         "--pin-slots",
         env="PIN_SLOTS",
         choices=("on", "off"),
@@ -715,6 +725,7 @@ def cmd_serve(args) -> int:
         trace=args.trace,
         health_listen=args.health_listen,
         tcp_data_port=args.tcp_data_port,
+        nixl_wake_port=args.nixl_wake_port,
         pin_slots=args.pin_slots == "on",
         lane=args.lane == "on",
     )

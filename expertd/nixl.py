@@ -24,6 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
+import select
+import socket
 import struct
 import threading
 import time
@@ -247,7 +250,10 @@ class Progress:
         on_notif: Callable[[str, bytes], None],
         name: str,
         keep_pace: bool = False,
+        wake_port: WakePort | None = None,
     ) -> None:
+        """wake_port (a shard's): the thread also wakes from its naps, and polls as after
+        any activity, on a datagram of a live lease's token there."""
         self.agent = agent
         # quiet times that ended in a notification (a call's arrival), when keeping pace
         self.gaps = dp.Recent() if keep_pace else None
@@ -259,7 +265,7 @@ class Progress:
         self._lock = threading.Lock()
         self._polling = threading.Lock()  # one pass over the agent at a time
         self._drivers = 0  # callers driving the agent now (drive())
-        self._wake = threading.Event()
+        self._wake = _Sleeper(wake_port)
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -403,8 +409,7 @@ class Progress:
         gaps = self.gaps
         while not self._stop:
             if self._drivers:  # a caller polls: stay out of its way
-                self._wake.wait(self.DRIVEN_NAP_S)
-                self._wake.clear()
+                self._wake.sleep(self.DRIVEN_NAP_S)
                 idle_since, nap = time.monotonic(), self.NAP_S  # then poll as if busy
                 continue
             began, arrivals = time.monotonic(), self._arrivals
@@ -424,18 +429,17 @@ class Progress:
             due = gaps.low() if gaps is not None else 0.0
             if 0.0 < due < dp.NEXT_MAX_S and quiet < due + dp.NEXT_SPIN_S:
                 if quiet < due - dp.NEXT_EARLY_S:  # asleep until shortly before it is due
-                    self._wake.wait(due - dp.NEXT_EARLY_S - quiet)
-                    self._wake.clear()
+                    rung = self._wake.sleep(due - dp.NEXT_EARLY_S - quiet)
                 else:
                     os.sched_yield()
-                continue
-            if quiet < self.HOT_S or self._awaited(now):
-                self._wake.wait(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))
-                self._wake.clear()
-                continue
-            self._wake.wait(nap)
-            self._wake.clear()
-            nap = min(nap * 2, self.MAX_NAP_S)
+                    continue
+            elif quiet < self.HOT_S or self._awaited(now):
+                rung = self._wake.sleep(min(max(self.POLL_S, quiet / 50), self.WAIT_POLL_S))
+            else:
+                rung = self._wake.sleep(nap)
+                nap = min(nap * 2, self.MAX_NAP_S)
+            if rung:  # a caller's datagram: its CALL is on the way, poll as after activity
+                idle_since, nap = time.monotonic(), self.NAP_S
 
     def stop(self, wait: bool = True) -> None:
         """End the thread; wait (at most 2 s) for it unless told not to."""
@@ -443,6 +447,99 @@ class Progress:
         self._wake.set()
         if wait and threading.current_thread() is not self.thread:
             self.thread.join(timeout=2)
+
+
+class WakePort:
+    """A shard's UDP port where a remote caller wakes its progress thread: after posting
+    a CALL's WRITE the caller sends its lease's token here (client/nixl.py), so a shard
+    whose thread is in its naps (quiet for more than Progress.HOT_S) polls at once
+    rather than up to MAX_NAP_S later. A datagram carries no data and is only a hint:
+    one holding no live token is dropped, a lost one costs the nap."""
+
+    TOKEN_BYTES = 16
+
+    def __init__(self, host: str | None = None, port: int = 0) -> None:
+        """host: where to bind (the gRPC listen address's host; None: every interface),
+        port: which UDP port (0: any free one)."""
+        family, _, _, _, where = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE
+        )[0]
+        self.sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.bind(where)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self._tokens: set[bytes] = set()
+        self.rung = 0  # datagrams that held a live token
+
+    def new_token(self) -> bytes:
+        token = secrets.token_bytes(self.TOKEN_BYTES)
+        self._tokens.add(token)
+        return token
+
+    def drop(self, token: bytes) -> None:
+        self._tokens.discard(token)
+
+    def drain(self) -> bool:
+        """Read every datagram waiting -> whether one held a live token."""
+        rung = False
+        while True:
+            try:
+                data = self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return rung
+            except OSError:  # closed
+                return rung
+            if data in self._tokens:
+                self.rung += 1
+                rung = True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Sleeper:
+    """Where a progress thread sleeps between passes: woken by set() (a thread of this
+    process posted something) or, with a WakePort, by a live token's datagram."""
+
+    def __init__(self, port: WakePort | None) -> None:
+        self.port = port
+        self._event = threading.Event() if port is None else None
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if port is not None else -1
+
+    def set(self) -> None:
+        if self._event is not None:
+            self._event.set()
+        else:
+            os.eventfd_write(self._fd, 1)
+
+    def sleep(self, timeout: float) -> bool:
+        """Sleep until set(), a live token's datagram or `timeout` s -> whether a token
+        rang (other datagrams are read and slept through)."""
+        if self._event is not None:
+            self._event.wait(timeout)
+            self._event.clear()
+            return False
+        port = self.port
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                ready, _, _ = select.select(
+                    [self._fd, port.sock], [], [], max(end - time.monotonic(), 0.0)
+                )
+            except (OSError, ValueError):  # the port closed under a stopping thread
+                return False
+            if self._fd in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._fd)
+                return port.sock in ready and port.drain()
+            if not ready:
+                return False
+            if port.drain():
+                return True
 
 
 class Handles:

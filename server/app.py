@@ -233,6 +233,12 @@ async def start(config: ServerConfig, hidden_size: int) -> RunningServer:
     running = RunningServer(
         server, servicer, health_servicer, _bound(config.listen, port), port, metrics
     )
+    if servicer.remote is not None:
+        if config.nixl_wake_port is None or config.listen.startswith("unix"):
+            servicer.remote.wake_at = None
+        else:
+            host = config.listen.rpartition(":")[0].strip("[]") or None
+            servicer.remote.wake_at = (host, config.nixl_wake_port)
     if (
         config.tcp_data_port is not None
         and credentials is None

@@ -67,6 +67,9 @@ class ServerConfig:
     # The raw TCP data plane (server/tcpslots.py) on this port of the serving host (0: any
     # free port; None: off). Never with TLS: its tensors travel in the clear.
     tcp_data_port: int | None = 0
+    # NIXL clients wake the shard's progress thread with a datagram on this UDP port of
+    # the serving host (expertd/nixl.py WakePort; 0: any free port; None: off).
+    nixl_wake_port: int | None = 0
     # A GPU shard page-locks the shm slot rows its calls use, so its copies to and from
     # the GPU are DMA straight from the client's slot (server/slots.py).
     pin_slots: bool = True

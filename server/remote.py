@@ -199,6 +199,7 @@ class RemoteLease:
         self.reg = None  # this shard's registered descriptors
         self.closed = False
         self.transport = nixl.NIXL
+        self.wake_token = b""  # its datagrams' token at the registry's WakePort
 
 
 class RemoteRegistry:
@@ -215,12 +216,26 @@ class RemoteRegistry:
         self._lock = threading.Lock()
         self._closed = False
         self._closing: asyncio.Event | None = None
+        # where callers wake the progress thread (nixl.WakePort): (host, port) to bind on
+        # the first registration (the app sets the gRPC listen address's host and
+        # --nixl-wake-port; host None: every interface, port 0: any), None: no port
+        self.wake_at: tuple[str | None, int] | None = (None, 0)
+        self.wake_port: nixl.WakePort | None = None
 
     def _start(self) -> None:
         if self.agent is None:
             self.agent = nixl.make_agent("shard")
+            if self.wake_at is not None:
+                try:
+                    self.wake_port = nixl.WakePort(*self.wake_at)
+                except OSError as e:  # calls still come: the thread finds them after a nap
+                    log.warning("nixl: no wake port at %s (%s)", self.wake_at, e)
             self.progress = nixl.Progress(
-                self.agent, self._on_notif, "expertd-nixl", keep_pace=dp.spare_cpus()
+                self.agent,
+                self._on_notif,
+                "expertd-nixl",
+                keep_pace=dp.spare_cpus(),
+                wake_port=self.wake_port,
             )
 
     # -- registration (off the event loop: NIXL calls block) ----------------------------
@@ -289,6 +304,8 @@ class RemoteRegistry:
             raise invalid(f"agent metadata names {name}, not {peer.agent_name}")
         memory = nixl.HOST if device is None else nixl.DEVICE
         lease = RemoteLease(self, secrets.token_hex(8), name, memory)
+        if self.wake_port is not None:
+            lease.wake_token = self.wake_port.new_token()
         try:
             for i, region in enumerate(peer.regions):
                 lease.slots.append(RemoteSlot(lease, i, layout, region, device))
@@ -298,6 +315,8 @@ class RemoteRegistry:
         except Exception as e:
             with contextlib.suppress(Exception):
                 agent.remove_remote_agent(name)
+            if self.wake_port is not None:
+                self.wake_port.drop(lease.wake_token)
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"slot memory could not be registered ({e})"
             ) from None
@@ -331,6 +350,8 @@ class RemoteRegistry:
                     for s in lease.slots
                 ],
             ),
+            wake_port=self.wake_port.port if self.wake_port is not None else 0,
+            wake_token=lease.wake_token,
         )
         return lease, reply
 
@@ -370,6 +391,8 @@ class RemoteRegistry:
                 return
             self._by_peer.pop(lease.peer, None)
         lease.closed = True
+        if self.wake_port is not None:
+            self.wake_port.drop(lease.wake_token)
         for slot in lease.slots:
             with slot.lock:
                 slot.busy = False
@@ -447,6 +470,8 @@ class RemoteRegistry:
             self.release(lease)
         if self.progress is not None:
             self.progress.stop()
+        if self.wake_port is not None:
+            self.wake_port.close()
 
     def stats(self) -> dict:
         with self._lock:

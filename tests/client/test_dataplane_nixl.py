@@ -348,3 +348,38 @@ def test_a_vanished_client_frees_its_registration():
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_calls_after_a_quiet_time_ring_the_shards_wake_port():
+    """The shard gives each NIXL lease a token for its wake port (nixl.WakePort); a
+    call the client sends after the lease was quiet for longer than the shard's
+    progress thread stays hot rings it, so that thread leaves its naps at once.
+    Answers are the gRPC path's bits, and the token stops waking once the client
+    closed."""
+    with BackgroundServer(shard_config(0, num_shards=1)) as server:
+        with (
+            ExpertClient([server.address], transport="nixl") as remote,
+            ExpertClient([server.address], transport="grpc") as rpc,
+        ):
+            x, ids, w = case(3, 11)
+            want = bits(rpc.forward(0, x, ids, w))
+            assert torch.equal(bits(remote.forward(0, x, ids, w)), want)  # registers
+            registry = server.servicer.remote
+            port = registry.wake_port
+            assert port is not None
+            (lease,) = registry.leases.values()
+            assert len(lease.wake_token) == nixl.WakePort.TOKEN_BYTES
+            quiet = nixl.Progress.HOT_S * 2
+            before = port.rung
+            for _ in range(3):
+                time.sleep(quiet)
+                assert torch.equal(bits(remote.forward(0, x, ids, w)), want)
+            deadline = time.monotonic() + 5
+            while port.rung < before + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)  # each datagram is read by the progress thread
+            assert port.rung == before + 3
+            token = lease.wake_token
+        deadline = time.monotonic() + 10
+        while registry.leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not registry.leases and token not in port._tokens

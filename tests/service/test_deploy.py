@@ -485,7 +485,9 @@ def test_pods_probes_ports_and_resources(variant, monkeypatch):
             "health": health,
             "metrics": args.metrics_port,
             "data": args.tcp_data_port,
+            "wake": args.nixl_wake_port,
         }
+        assert {p["name"]: p.get("protocol", "TCP") for p in c["ports"]}["wake"] == "UDP"
         assert health != _port(args.listen)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": health}, f"{probe} asks the plaintext health port"

@@ -217,7 +217,7 @@ class SlotLayout(_message.Message):
     def __init__(self, control_offset: _Optional[int] = ..., control_bytes: _Optional[int] = ..., x_offset: _Optional[int] = ..., ids_offset: _Optional[int] = ..., weights_offset: _Optional[int] = ..., out_offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class RegisterSlotsResponse(_message.Message):
-    __slots__ = ("socket_name", "token", "lease_id", "layout", "instance_id", "slots", "nixl", "data_port")
+    __slots__ = ("socket_name", "token", "lease_id", "layout", "instance_id", "slots", "nixl", "data_port", "wake_port", "wake_token")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,8 @@ class RegisterSlotsResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    WAKE_PORT_FIELD_NUMBER: _ClassVar[int]
+    WAKE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     socket_name: str
     token: bytes
     lease_id: str
@@ -234,4 +236,6 @@ class RegisterSlotsResponse(_message.Message):
     slots: int
     nixl: NixlPeer
     data_port: int
-    def __init__(self, socket_name: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[SlotLayout, _Mapping]] = ..., instance_id: _Optional[str] = ..., slots: _Optional[int] = ..., nixl: _Optional[_Union[NixlPeer, _Mapping]] = ..., data_port: _Optional[int] = ...) -> None: ...
+    wake_port: int
+    wake_token: bytes
+    def __init__(self, socket_name: _Optional[str] = ..., token: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., layout: _Optional[_Union[SlotLayout, _Mapping]] = ..., instance_id: _Optional[str] = ..., slots: _Optional[int] = ..., nixl: _Optional[_Union[NixlPeer, _Mapping]] = ..., data_port: _Optional[int] = ..., wake_port: _Optional[int] = ..., wake_token: _Optional[bytes] = ...) -> None: ...
