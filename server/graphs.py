@@ -35,12 +35,15 @@ host sync or allocation inside it (the `cuda` backend).
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+log = logging.getLogger("expertd.server")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ALIGN = 512  # bytes: every region of a packed buffer starts at a multiple (torch's own alignment)
@@ -227,7 +230,11 @@ class GraphBank:
             from expertd.kernels.cuda import CallBlock
 
             shape = CallBlock(self.buckets[-1], top_k)
-            self.blocks = [LaneBlock(shape, self.device) for _ in range(slots)]
+            try:
+                self.blocks = [LaneBlock(shape, self.device) for _ in range(slots)]
+            except Exception as e:  # host memory the driver would not map: no lane
+                log.warning("no lane graphs: their host blocks could not be mapped (%s)", e)
+                self.blocks = []
 
     def buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot's packed (input, output) device buffers: uint8, fixed addresses."""
