@@ -467,40 +467,20 @@ class CudaBackend:
         """A lane graph's first step on the current stream: routes from the mapped block
         at device address `block` (of `capacity` rows) into ids and weights (every row),
         and its header's m rows of x into x (rows.cu)."""
-        rows, h = x.shape
-        with torch.cuda.device(self.device):
-            rc = self._lib.expertd_call_in(
-                block,
-                capacity,
-                ids.data_ptr(),
-                weights.data_ptr(),
-                x.data_ptr(),
-                rows,
-                ids.shape[1],
-                h,
-                self._stream(),
-            )
-        if rc:
-            raise RuntimeError(f"expertd_call_in: CUDA error {rc}")
+        self._lane_step("expertd_call_in", block, capacity, ids, weights, x, x.shape)
 
     def call_out(self, block: int, capacity: int, x, weights, out) -> None:
         """A lane graph's last step: the header's m rows of out to its destination and
         each row's NaN/Inf flag (of x, weights and out) into the block (rows.cu)."""
-        rows, h = out.shape
+        self._lane_step("expertd_call_out", block, capacity, x, weights, out, out.shape)
+
+    def _lane_step(self, name: str, block: int, capacity: int, a, weights, b, shape) -> None:
+        rows, h = shape
+        args = (a.data_ptr(), weights.data_ptr(), b.data_ptr(), rows, weights.shape[1], h)
         with torch.cuda.device(self.device):
-            rc = self._lib.expertd_call_out(
-                block,
-                capacity,
-                x.data_ptr(),
-                weights.data_ptr(),
-                out.data_ptr(),
-                rows,
-                weights.shape[1],
-                h,
-                self._stream(),
-            )
+            rc = getattr(self._lib, name)(block, capacity, *args, self._stream())
         if rc:
-            raise RuntimeError(f"expertd_call_out: CUDA error {rc}")
+            raise RuntimeError(f"{name}: CUDA error {rc}")
 
 
 class GraphedForward:

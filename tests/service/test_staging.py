@@ -396,6 +396,44 @@ def test_serve_takes_the_pipeline_depth_from_its_flag_and_environment(monkeypatc
     assert build_parser().parse_args(["serve", "--synthetic", "small"]).pipeline_depth == 3
 
 
+def _count_paths(monkeypatch) -> tuple[list[int], list[int]]:
+    """-> (batches run on the loop, batches sent to the compute thread), as they come."""
+    here, threaded = [], []
+    run_here, launch_there = Batcher._run_here, Batcher._launch
+    monkeypatch.setattr(
+        Batcher, "_run_here", lambda self, jobs: (here.append(len(jobs)), run_here(self, jobs))
+    )
+    monkeypatch.setattr(
+        Batcher,
+        "_launch",
+        lambda self, jobs: (threaded.append(len(jobs)), launch_there(self, jobs))[1],
+    )
+    return here, threaded
+
+
+def _one_at_a_time(runner, bank, cases) -> list:
+    """Each request of `cases` submitted alone (a lone batch) to a fresh batcher ->
+    its serialized answer or its exception."""
+    limits = Limits(max_tokens=1024, max_top_k=64)
+
+    async def go():
+        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
+        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        results = []
+        for req, _ in cases:
+            args = parse_forward(req, bank.info, limits, bank.has_layer)
+            job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
+            batcher.submit(job)
+            results.append(await asyncio.gather(job.future, return_exceptions=True))
+        await batcher.stop()
+        compute.shutdown()
+        return [r[0] for r in results]
+
+    return asyncio.run(go())
+
+
 def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
     bank0, full_layers, monkeypatch
 ):
@@ -407,16 +445,7 @@ def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
     monkeypatch.setattr(
         Batcher, "_here", lambda self, tokens: tokens <= INLINE_TOKENS and self.computing == 0
     )
-    here, threaded = [], []
-    run_here, launch_there = Batcher._run_here, Batcher._launch
-    monkeypatch.setattr(
-        Batcher, "_run_here", lambda self, jobs: (here.append(len(jobs)), run_here(self, jobs))
-    )
-    monkeypatch.setattr(
-        Batcher,
-        "_launch",
-        lambda self, jobs: (threaded.append(len(jobs)), launch_there(self, jobs))[1],
-    )
+    here, threaded = _count_paths(monkeypatch)
     launch, failing = runner.launch, {3}
 
     def launch_or_fail(layer, xs, ids, ws, outs=None, bells=None):
@@ -426,24 +455,7 @@ def test_small_batches_run_on_the_loop_and_a_failure_reaches_only_its_callers(
 
     runner.launch = launch_or_fail
     cases = [forward_request(m, 8, seed) for seed, m in enumerate([1, 3, 16, 2, 40, 1])]
-    limits = Limits(max_tokens=1024, max_top_k=64)
-
-    async def go():
-        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
-        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
-        batcher.start()
-        loop = asyncio.get_running_loop()
-        results = []
-        for req, _ in cases:  # one at a time: each is a lone batch
-            args = parse_forward(req, bank0.info, limits, bank0.has_layer)
-            job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
-            batcher.submit(job)
-            results.append(await asyncio.gather(job.future, return_exceptions=True))
-        await batcher.stop()
-        compute.shutdown()
-        return [r[0] for r in results]
-
-    results = asyncio.run(go())
+    results = _one_at_a_time(runner, bank0, cases)
     assert here == [1, 1, 1, 1, 1] and threaded == [1]  # 40 tokens: the compute thread
     assert runner._slots.free == 2
     for (req, (x, ids, w)), res in zip(cases, results, strict=True):
@@ -465,35 +477,9 @@ def test_a_cpu_shard_runs_small_batches_on_the_loop_while_they_are_short(
     thread. The answers are the reference's either way."""
     monkeypatch.setattr(batcher_module, "INLINE_CPU_MAX_S", limit_s)
     runner = BatchRunner(bank0, depth=1)
-    here, threaded = [], []
-    run_here, launch_there = Batcher._run_here, Batcher._launch
-    monkeypatch.setattr(
-        Batcher, "_run_here", lambda self, jobs: (here.append(len(jobs)), run_here(self, jobs))
-    )
-    monkeypatch.setattr(
-        Batcher,
-        "_launch",
-        lambda self, jobs: (threaded.append(len(jobs)), launch_there(self, jobs))[1],
-    )
+    here, threaded = _count_paths(monkeypatch)
     cases = [forward_request(m, 8, seed) for seed, m in enumerate([1, 2, 3, 40, 1])]
-    limits = Limits(max_tokens=1024, max_top_k=64)
-
-    async def go():
-        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
-        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
-        batcher.start()
-        loop = asyncio.get_running_loop()
-        results = []
-        for req, _ in cases:  # one at a time: each is a lone batch
-            args = parse_forward(req, bank0.info, limits, bank0.has_layer)
-            job = Job(args, None, time.perf_counter_ns(), loop.create_future(), req.request_id)
-            batcher.submit(job)
-            results.append(await job.future)
-        await batcher.stop()
-        compute.shutdown()
-        return results
-
-    results = asyncio.run(go())
+    results = _one_at_a_time(runner, bank0, cases)
     assert here == here_want and len(threaded) == 5 - len(here_want)
     for (req, (x, ids, w)), res in zip(cases, results, strict=True):
         out = wire.decode(parse_forward_response(res).output, "output")
