@@ -488,9 +488,9 @@ def _serve_parser(sub) -> None:
         env="LANE",
         choices=("on", "off"),
         default="on",
-        help="a GPU shard runs a small call of a cuda-ipc slot to its answer on the slot's "
-        "own thread when nothing else is queued or running (off: every call through the "
-        "batcher)",
+        help="a GPU shard runs a cuda-ipc slot's call of up to 1024 tokens to its answer on "
+        "the slot's own thread when nothing else is queued or running (off: every call "
+        "through the batcher)",
         group=run,
     )
     o(

@@ -73,8 +73,8 @@ class ServerConfig:
     # A GPU shard page-locks the shm slot rows its calls use, so its copies to and from
     # the GPU are DMA straight from the client's slot (server/slots.py).
     pin_slots: bool = True
-    # A GPU shard runs a small cuda-ipc slot call on the slot's thread, outside the
-    # batcher, when the batcher is idle (server/lane.py).
+    # A GPU shard runs a cuda-ipc slot call (up to its largest graph bucket) on the slot's
+    # thread, outside the batcher, when the batcher is idle (server/lane.py).
     lane: bool = True
 
     def source(self) -> str:
