@@ -43,7 +43,7 @@ import torch
 from expertd import tracing
 from expertd.codec import encode_forward_response
 from expertd.server.metrics import Metrics
-from expertd.server.runner import FUSED_ROWS, BatchRunner, Flight
+from expertd.server.runner import FUSED_ROWS, LANE_SLOT, BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
 from expertd.v1 import expertd_pb2 as pb
 
@@ -190,20 +190,21 @@ class Batcher:
 
     def take_lone(self) -> int | None:
         """For a call run outside the batcher on its own thread (server/lane.py): the
-        batcher's gate and a runner slot when the batcher is idle (as run_direct
-        would run it) -> the runner slot's index, held until `give_lone`; None:
-        queue the call as usual."""
+        batcher's gate and runner slot LANE_SLOT when the batcher is idle (as
+        run_direct would run it) -> that slot's index, held until `give_lone`; None:
+        queue the call as usual. One slot does: the gate lets one such call run at a
+        time, so the lane's graphs exist for that slot only."""
         if self._queue or self.computing:
             return None
         if not self._gate.acquire(blocking=False) and (
             not self._running_direct or not self._gate.acquire(timeout=DIRECT_WAIT_S)
         ):
             return None
-        if self._queue or self.computing or self.runner.free_slots < 1:
+        if self._queue or self.computing or not self.runner.take_slot(LANE_SLOT):
             self._gate.release()
             return None
         self._running_direct = True
-        return self.runner.take_slot()
+        return LANE_SLOT
 
     def give_lone(self, index: int) -> None:
         """Hand back what `take_lone` gave, once the call's GPU work has finished."""

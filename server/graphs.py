@@ -20,13 +20,14 @@ into CUDA: ~160 us of host time at M = 1 on the H200 host against ~65 us).
 The copies move the bucket's rows, not only the batch's, which costs little
 below 64 rows (<= 0.5 MiB at H = 4096).
 
-Lane graphs (`lane=True`, a backend with the row kernels of kernels/csrc/rows.cu)
-serve one call at a time from a slot's own thread (server/lane.py): each reads its
-call from a block of mapped host memory per slot (kernels/csrc/call_block.h: where
-the call's x lies in device memory, where its rows go, how many, and its routes),
-copies x and the routes in with its first kernel, runs the forward, and copies the
-rows out and writes their NaN/Inf flags into the block with its last. A call is then
-one launch, whatever slot of whatever client it came from.
+Lane graphs (for the pipeline slot `lane_slot`, given a backend with the row kernels
+of kernels/csrc/rows.cu) serve one call at a time from a data-plane slot's own thread
+(server/lane.py): each reads its call from a block of mapped host memory
+(kernels/csrc/call_block.h: where the call's x lies in device memory, where its rows
+go, how many, and its routes), copies x and the routes in with its first kernel, runs
+the forward, and copies the rows out and writes their NaN/Inf flags into the block
+with its last. A call is then one launch, whatever slot of whatever client it came
+from.
 
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
 host sync or allocation inside it (the `cuda` backend).
@@ -198,7 +199,7 @@ class GraphBank:
         buckets=DEFAULT_BUCKETS,
         slots: int = 1,
         fused_rows: int = 0,
-        lane: bool = False,
+        lane_slot: int | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -223,18 +224,20 @@ class GraphBank:
         # fused buckets' graphs without the host copies (device inputs: cuda-ipc slots)
         self._plain: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._keep: list[torch.Tensor] = []  # workspaces baked into graphs stay alive
-        # lane graphs and their blocks of mapped host memory, one per slot (module doc)
+        # slot lane_slot's lane graphs and its block of mapped host memory (module doc)
         self._lane: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.blocks: list[LaneBlock] = []
-        if lane and hidden_size % 8 == 0 and _row_kernels(backend):  # rows.cu moves 16 bytes
+        self.lane_slot = lane_slot
+        self.block: LaneBlock | None = None
+        if lane_slot is not None and not 0 <= lane_slot < slots:
+            raise ValueError(f"lane slot {lane_slot} outside [0, {slots})")
+        # rows.cu moves 16-byte chunks of rows
+        if lane_slot is not None and hidden_size % 8 == 0 and _row_kernels(backend):
             from expertd.kernels.cuda import CallBlock
 
-            shape = CallBlock(self.buckets[-1], top_k)
             try:
-                self.blocks = [LaneBlock(shape, self.device) for _ in range(slots)]
+                self.block = LaneBlock(CallBlock(self.buckets[-1], top_k), self.device)
             except Exception as e:  # host memory the driver would not map: no lane
-                log.warning("no lane graphs: their host blocks could not be mapped (%s)", e)
-                self.blocks = []
+                log.warning("no lane graphs: their host block could not be mapped (%s)", e)
 
     def buffers(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot's packed (input, output) device buffers: uint8, fixed addresses."""
@@ -291,8 +294,8 @@ class GraphBank:
                         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                             forward_checked(*args)
                         self._plain[(layer, m, slot)] = graph
-                    if self.blocks:
-                        block = self.blocks[slot]
+                    if self.block is not None and slot == self.lane_slot:
+                        block = self.block
                         cap = block.shape.capacity
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self._pool, stream=stream):

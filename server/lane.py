@@ -9,7 +9,7 @@ the batcher is idle, a cuda-ipc slot's call whose (layer, bucket) has a lane gra
 waiter thread makes one C call (kernels/csrc/graph_call.cu, without the interpreter's
 lock) that
 
-1. copies the call's ids and weights from the slot into the runner slot's lane block
+1. copies the call's ids and weights from the slot into the lane block
    (mapped host memory), padded to the bucket with "no route", checks the copy (ids in
    [-1, E)) and writes the call's header there: m, where x lies, where the rows go;
 2. launches the bucket's lane graph on the runner's compute stream (x and the routes in,
@@ -48,12 +48,13 @@ log = logging.getLogger("expertd.server")
 
 
 class _Plan:
-    """Where a call of one (runner slot, bucket) leaves its routes and finds its flags."""
+    """Where a call of one bucket leaves its routes and finds its flags (the lane's
+    runner slot, LANE_SLOT, is the only one with lane graphs)."""
 
     __slots__ = ("c", "exec_by_layer")
 
     def __init__(self, lane: Lane, index: int, bucket: int) -> None:
-        block = lane.graphs.blocks[index]
+        block = lane.graphs.block
         shape, addr, calls = block.shape, block.addr, lane.calls
         self.c = GraphCallPlan(
             header=addr,
@@ -104,7 +105,7 @@ class Lane:
         or the driver's calls or the kernel library's are missing (logged)."""
         if runner.graphs is None or runner.device.type != "cuda":
             return None
-        if not runner.graphs.blocks:
+        if runner.graphs.block is None:
             log.warning("slot calls take the general path: no lane graphs (H % 8, library)")
             return None
         try:

@@ -57,6 +57,7 @@ from expertd.server.staging import HostStaging, Result, SlotPool
 log = logging.getLogger("expertd.server")
 
 CUDA_DEPTH = 2  # batches in flight on a GPU: one computing, the next being copied in
+LANE_SLOT = 0  # the pipeline slot a lane call runs in (Batcher.take_lone), with its graphs
 FUSED_ROWS = 64  # graph buckets up to this many tokens copy in and out inside the graph
 
 
@@ -218,7 +219,7 @@ class BatchRunner:
                 buckets,
                 slots=self.depth,
                 fused_rows=FUSED_ROWS,
-                lane=lane,
+                lane_slot=LANE_SLOT if lane else None,
             )
         in_bytes = out_bytes = 0
         fused = (0, 0)
@@ -240,10 +241,10 @@ class BatchRunner:
         """Slots not holding a batch now (any thread)."""
         return self._slots.free
 
-    def take_slot(self) -> int:
-        """A free slot for a call its caller runs itself (server/lane.py: the slot's
-        host buffers and graph buffers) -> its index; RuntimeError when none is free."""
-        return self._slots.acquire()
+    def take_slot(self, index: int) -> bool:
+        """Slot `index` for a call its caller runs itself (server/lane.py: the slot's
+        graph buffers and lane graphs), if it is free -> whether it was."""
+        return self._slots.acquire_this(index)
 
     def give_slot(self, index: int) -> None:
         self._slots.release(index)

@@ -175,6 +175,14 @@ class SlotPool:
                 )
             return self._free.popleft()
 
+    def acquire_this(self, slot: int) -> bool:
+        """Take slot `slot` if it is free -> whether it was."""
+        with self._lock:
+            if slot not in self._free:
+                return False
+            self._free.remove(slot)
+            return True
+
     def release(self, slot: int) -> None:
         with self._lock:
             if not 0 <= slot < self.n or slot in self._free:

@@ -26,7 +26,7 @@ from expertd.server.bank import ExpertBank
 from expertd.server.batcher import INLINE_TOKENS, Batcher, BatchPolicy, Job
 from expertd.server.graphs import ALIGN, Layout
 from expertd.server.metrics import Metrics
-from expertd.server.runner import BatchRunner
+from expertd.server.runner import LANE_SLOT, BatchRunner
 from expertd.server.staging import HostStaging, Result, SlotPool
 from expertd.server.validate import Limits, parse_forward
 from expertd.v1 import expertd_pb2 as pb
@@ -488,19 +488,27 @@ def test_a_cpu_shard_runs_small_batches_on_the_loop_while_they_are_short(
 
 
 def test_a_lone_call_takes_the_gate_and_a_slot_only_from_an_idle_batcher(bank0):
-    """The lane's hold on the batcher (take_lone / give_lone, server/lane.py): a runner
-    slot and the gate while nothing is queued, computing or held; a queued job, or a
-    lone call holding the gate, sends the next call the general way; every slot comes
-    back."""
+    """The lane's hold on the batcher (take_lone / give_lone, server/lane.py): the lane's
+    runner slot (LANE_SLOT, whose graphs it runs) and the gate while nothing is queued,
+    computing or held; a queued job, a lone call holding the gate, or that slot taken,
+    sends the next call the general way; every slot comes back."""
     runner = BatchRunner(bank0, depth=2)
 
     async def go():
         compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
         batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
         index = batcher.take_lone()
-        assert index in (0, 1) and runner.free_slots == 1
+        assert index == LANE_SLOT and runner.free_slots == 1
         assert batcher.take_lone() is None  # the gate is held (it waits a moment, then no)
         batcher.give_lone(index)
+        assert runner.free_slots == 2
+        other = runner._slots.acquire()  # a batch in the other slot: the lane runs
+        assert other != LANE_SLOT and batcher.take_lone() == LANE_SLOT
+        batcher.give_lone(LANE_SLOT)
+        runner.give_slot(other)
+        assert runner.take_slot(LANE_SLOT)  # a batch in the lane's slot: it declines
+        assert batcher.take_lone() is None and runner.free_slots == 1
+        runner.give_slot(LANE_SLOT)
         assert runner.free_slots == 2
         loop = asyncio.get_running_loop()
         req, _ = forward_request(2, 8, seed=4)
