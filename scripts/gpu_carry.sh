@@ -56,7 +56,8 @@ if [ -n "${BASE:-}" ]; then
   flags=$($PY -c "from expertd.kernels.build import NVCC_FLAGS; print(' '.join(NVCC_FLAGS))")
   nvcc=$($PY -c "from expertd.kernels.build import find_nvcc; print(find_nvcc())")
   # shellcheck disable=SC2086
-  "$nvcc" $flags -o .carry/base/libexpertd_kernels.so .carry/base/kernels/csrc/*.cu 2>/dev/null
+  "$nvcc" $flags -o .carry/base/libexpertd_kernels.so .carry/base/kernels/csrc/*.cu \
+    >"$tmp/base-build.log" 2>&1 || { tail -20 "$tmp/base-build.log"; exit 1; }
 fi
 
 lib=$($PY -m expertd build-kernels | tail -1)
