@@ -42,6 +42,7 @@ import torch
 
 from expertd import tracing
 from expertd.codec import encode_forward_response
+from expertd.dataplane import Recent
 from expertd.server.metrics import Metrics
 from expertd.server.runner import FUSED_ROWS, LANE_SLOT, BatchRunner, Flight
 from expertd.server.validate import ForwardArgs, RequestError, invalid
@@ -109,10 +110,9 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self.computing = 0  # tokens of the batches in flight (launched, not yet answered)
         self._running_direct = False  # a call runs on its slot's thread (run_direct)
-        # compute time (s) of the last 8 batches of at most INLINE_TOKENS (a CPU's _here);
-        # a list written in place: any thread finishes batches, the loop's reads it
-        self._small: list[float] = []
-        self._small_at = 0
+        # compute time (s) of the last batches of at most INLINE_TOKENS (a CPU's _here);
+        # any thread finishes batches, the loop's reads it (Recent writes in place)
+        self._small = Recent()
         self._slots = asyncio.Semaphore(runner.depth)  # batches in flight <= runner's slots
         self._flights: set[asyncio.Task] = set()
         # Waits for batches on the device and writes their responses, while the compute
@@ -318,14 +318,7 @@ class Batcher:
             return False
         if self.runner.device.type == "cuda":
             return True
-        return bool(self._small) and max(self._small) <= INLINE_CPU_MAX_S
-
-    def _note_small(self, seconds: float) -> None:
-        if len(self._small) < 8:
-            self._small.append(seconds)
-        else:
-            self._small[self._small_at] = seconds
-            self._small_at = (self._small_at + 1) % 8
+        return 0.0 < self._small.high() <= INLINE_CPU_MAX_S
 
     def _run_here(self, jobs: list[Job]) -> None:
         """Launch, wait, answer on this thread; the slot is free again on return."""
@@ -410,7 +403,7 @@ class Batcher:
             stage = flight.stage_ns
             batch_tokens = sum(j.tokens for j in jobs)
             if batch_tokens <= INLINE_TOKENS:
-                self._note_small((computed - started) / 1e9)
+                self._small.add((computed - started) / 1e9)
             results, row = [], 0
             for job in jobs:
                 rows = job.tokens

@@ -225,7 +225,7 @@ class GraphBank:
         self._plain: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._keep: list[torch.Tensor] = []  # workspaces baked into graphs stay alive
         # slot lane_slot's lane graphs and its block of mapped host memory (module doc)
-        self._lane: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._lane: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (layer, bucket)
         self.lane_slot = lane_slot
         self.block: LaneBlock | None = None
         if lane_slot is not None and not 0 <= lane_slot < slots:
@@ -302,13 +302,14 @@ class GraphBank:
                             self.backend.call_in(block.device_ptr, cap, x, ids, weights)
                             self.backend.forward_into(state, x, ids, weights, out)
                             self.backend.call_out(block.device_ptr, cap, x, weights, out)
-                        self._lane[(layer, m, slot)] = graph
+                        self._lane[(layer, m)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def lane_exec(self, layer: int, bucket: int, slot: int) -> int | None:
-        """The driver handle (CUgraphExec) of (layer, bucket, slot)'s lane graph, for a
-        caller that launches it itself (server/lane.py); None: no such graph."""
-        graph = self._lane.get((layer, bucket, slot))
+    def lane_exec(self, layer: int, bucket: int) -> int | None:
+        """The driver handle (CUgraphExec) of (layer, bucket)'s lane graph (slot
+        `lane_slot`'s buffers), for a caller that launches it itself (server/lane.py);
+        None: no such graph."""
+        graph = self._lane.get((layer, bucket))
         return None if graph is None else graph.raw_cuda_graph_exec()
 
     def bucket(self, layer: int, m: int, top_k: int) -> int | None:

@@ -53,7 +53,7 @@ class _Plan:
 
     __slots__ = ("c", "exec_by_layer")
 
-    def __init__(self, lane: Lane, index: int, bucket: int) -> None:
+    def __init__(self, lane: Lane, bucket: int) -> None:
         block = lane.graphs.block
         shape, addr, calls = block.shape, block.addr, lane.calls
         self.c = GraphCallPlan(
@@ -65,7 +65,7 @@ class _Plan:
             top_k=shape.top_k,
             num_experts=lane.num_experts,
             stream=lane.stream,
-            event=lane.events[index],
+            event=lane.event,
             launch=calls.launch,
             write=calls.write,
             record=calls.record,
@@ -88,8 +88,8 @@ class Lane:
         self.calls = Calls()
         self.stream = runner.compute_stream.cuda_stream
         make_current(runner.device)  # the driver's calls need the context current here
-        self.events = [self.calls.event() for _ in range(runner.depth)]
-        self._plans: dict[tuple[int, int], _Plan] = {}
+        self.event = self.calls.event()
+        self._plans: dict[int, _Plan] = {}  # by bucket
         self._threads = threading.local()  # .ready: the device's context is current here
         self._said: set[str] = set()  # why calls took the general path, logged once each
 
@@ -136,11 +136,11 @@ class Lane:
             started = time.perf_counter_ns()
             if timeout_us and started - received >= timeout_us * 1000:
                 return self._decline("deadline passed")  # the general path says so
-            plan = self._plans.get((index, bucket))
+            plan = self._plans.get(bucket)
             if plan is None:
-                plan = self._plans[(index, bucket)] = _Plan(self, index, bucket)
+                plan = self._plans[bucket] = _Plan(self, bucket)
             if layer not in plan.exec_by_layer:
-                plan.exec_by_layer[layer] = graphs.lane_exec(layer, bucket, index)
+                plan.exec_by_layer[layer] = graphs.lane_exec(layer, bucket)
             graph = plan.exec_by_layer[layer]
             if graph is None:
                 return self._decline(f"no lane graph for layer {layer}, bucket {bucket}")
