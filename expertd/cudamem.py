@@ -155,6 +155,9 @@ def available() -> tuple[bool, str]:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
+        # taken off the runtime's last error too: a failed call here must not be reported
+        # again by the next kernel launch anywhere in the process (torch checks it there)
+        runtime().cudaGetLastError()
         text = runtime().cudaGetErrorString(rc).decode(errors="replace")
         raise CudaIpcError(f"{what}: {text} (CUDA error {rc})")
 

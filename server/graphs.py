@@ -328,11 +328,16 @@ class GraphBank:
         (graph or self._graphs[key]).replay()
 
 
+_LANE_BLOCKS: list[LaneBlock] = []  # every block made, kept mapped and registered (LaneBlock)
+
+
 class LaneBlock:
     """A slot's block for its lane graphs (kernels/csrc/call_block.h, `CallBlock` says
     where its parts lie): page-locked host memory mapped into the GPU's address space,
     written by the lane's C call and read by the graph, for as long as the process runs
-    (the graphs keep its device address)."""
+    (the graphs keep its device address). Every block is kept in `_LANE_BLOCKS`: one
+    freed while still registered would leave its pages registered, and a later mapping
+    at the same address could not be registered again."""
 
     def __init__(self, shape, device: torch.device) -> None:
         from expertd import cudamem
@@ -342,3 +347,4 @@ class LaneBlock:
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._pinned = cudamem.PinnedHost(self.addr, len(self._map), device, mapped=True)
         self.device_ptr = self._pinned.device_ptr
+        _LANE_BLOCKS.append(self)
