@@ -84,7 +84,8 @@ CALL_HEADER_BYTES = 64  # struct expertd_call_header (call_block.h)
 @dataclass(frozen=True, slots=True)
 class CallBlock:
     """Where a lane call's block (call_block.h) keeps its parts, as byte offsets: the
-    header, ids int32 [capacity, top_k], weights fp32 [capacity, top_k], flags [capacity]."""
+    header, then a graph of `rows` tokens' ids int32 [rows, top_k] and weights fp32
+    [rows, top_k] (room for `capacity` rows), then flags [capacity]."""
 
     capacity: int
     top_k: int
@@ -93,9 +94,12 @@ class CallBlock:
     def ids_offset(self) -> int:
         return CALL_HEADER_BYTES
 
-    @property
-    def weights_offset(self) -> int:
-        return CALL_HEADER_BYTES + 4 * self.capacity * self.top_k
+    def weights_offset(self, rows: int) -> int:
+        return CALL_HEADER_BYTES + 4 * rows * self.top_k
+
+    def call_bytes(self, rows: int) -> int:
+        """The header and a `rows`-token graph's routes: what its graph copies in."""
+        return CALL_HEADER_BYTES + 8 * rows * self.top_k
 
     @property
     def flags_offset(self) -> int:
@@ -143,9 +147,9 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.expertd_nonfinite_rows.restype = i
     lib.expertd_nonfinite_rows.argtypes = [p, p, p, p, ctypes.c_longlong, i, i, p]
-    for fn in (lib.expertd_call_in, lib.expertd_call_out):
-        fn.restype = i
-        fn.argtypes = [p, i, p, p, p, i, i, i, p]
+    lib.expertd_call_in.restype = lib.expertd_call_out.restype = i
+    lib.expertd_call_in.argtypes = [p, p, p, p, i, i, i, p]
+    lib.expertd_call_out.argtypes = [p, p, p, p, p, i, i, i, p]
 
 
 def open_library(path: str | os.PathLike) -> ctypes.CDLL:
@@ -463,22 +467,25 @@ class CudaBackend:
             raise RuntimeError(f"expertd_nonfinite_rows: CUDA error {rc}")
         return bad
 
-    def call_in(self, block: int, capacity: int, x, ids, weights) -> None:
-        """A lane graph's first step on the current stream: routes from the mapped block
-        at device address `block` (of `capacity` rows) into ids and weights (every row),
-        and its header's m rows of x into x (rows.cu)."""
-        self._lane_step("expertd_call_in", block, capacity, ids, weights, x, x.shape)
+    def call_in(self, mirror: int, x, ids, weights) -> None:
+        """A lane graph's first kernel on the current stream, after the copy of the block
+        into its device mirror at `mirror`: the routes into ids and weights (every row),
+        and the header's m rows of x into x (rows.cu)."""
+        rows, h = x.shape
+        args = (ids.data_ptr(), weights.data_ptr(), x.data_ptr(), rows, weights.shape[1], h)
+        self._lane_step("expertd_call_in", mirror, *args)
 
-    def call_out(self, block: int, capacity: int, x, weights, out) -> None:
-        """A lane graph's last step: the header's m rows of out to its destination and
-        each row's NaN/Inf flag (of x, weights and out) into the block (rows.cu)."""
-        self._lane_step("expertd_call_out", block, capacity, x, weights, out, out.shape)
+    def call_out(self, mirror: int, flags: int, x, weights, out) -> None:
+        """A lane graph's last kernel: the header's (at `mirror`) m rows of out to its
+        destination, and each row's NaN/Inf flag (of x, weights and out) to `flags`, the
+        host block's at its device address (rows.cu)."""
+        rows, h = out.shape
+        args = (x.data_ptr(), weights.data_ptr(), out.data_ptr(), rows, weights.shape[1], h)
+        self._lane_step("expertd_call_out", mirror, flags, *args)
 
-    def _lane_step(self, name: str, block: int, capacity: int, a, weights, b, shape) -> None:
-        rows, h = shape
-        args = (a.data_ptr(), weights.data_ptr(), b.data_ptr(), rows, weights.shape[1], h)
+    def _lane_step(self, name: str, *args) -> None:
         with torch.cuda.device(self.device):
-            rc = getattr(self._lib, name)(block, capacity, *args, self._stream())
+            rc = getattr(self._lib, name)(*args, self._stream())
         if rc:
             raise RuntimeError(f"{name}: CUDA error {rc}")
 

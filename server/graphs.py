@@ -295,15 +295,28 @@ class GraphBank:
                             forward_checked(*args)
                         self._plain[(layer, m, slot)] = graph
                     if self.block is not None and slot == self.lane_slot:
-                        block = self.block
-                        cap = block.shape.capacity
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                            self.backend.call_in(block.device_ptr, cap, x, ids, weights)
-                            self.backend.forward_into(state, x, ids, weights, out)
-                            self.backend.call_out(block.device_ptr, cap, x, weights, out)
-                        self._lane[(layer, m)] = graph
+                        try:
+                            graph = self._lane_graph(stream, state, m, x, ids, weights, out)
+                        except Exception as e:  # the lane is an optimization: serve without
+                            log.warning("no lane graphs: capturing one failed (%s)", e)
+                            self.block = None
+                            self._lane.clear()
+                        else:
+                            self._lane[(layer, m)] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _lane_graph(self, stream, state, m: int, x, ids, weights, out) -> torch.cuda.CUDAGraph:
+        """Bucket m's lane graph over slot lane_slot's buffers: the block's header and
+        routes copied into its device mirror (one DMA), call_in, the forward, call_out."""
+        block = self.block
+        n, mirror = block.shape.call_bytes(m), block.mirror.data_ptr()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            block.mirror[:n].copy_(block.host[:n], non_blocking=True)
+            self.backend.call_in(mirror, x, ids, weights)
+            self.backend.forward_into(state, x, ids, weights, out)
+            self.backend.call_out(mirror, block.flags_ptr, x, weights, out)
+        return graph
 
     def lane_exec(self, layer: int, bucket: int) -> int | None:
         """The driver handle (CUgraphExec) of (layer, bucket)'s lane graph (slot
@@ -334,10 +347,11 @@ _LANE_BLOCKS: list[LaneBlock] = []  # every block made, kept mapped and register
 class LaneBlock:
     """A slot's block for its lane graphs (kernels/csrc/call_block.h, `CallBlock` says
     where its parts lie): page-locked host memory mapped into the GPU's address space,
-    written by the lane's C call and read by the graph, for as long as the process runs
-    (the graphs keep its device address). Every block is kept in `_LANE_BLOCKS`: one
-    freed while still registered would leave its pages registered, and a later mapping
-    at the same address could not be registered again."""
+    written by the lane's C call, copied by the graph into `mirror` (device memory its
+    kernels read) and given the flags by the graph, for as long as the process runs (the
+    graphs keep its addresses). Every block is kept in `_LANE_BLOCKS`: one freed while
+    still registered would leave its pages registered, and a later mapping at the same
+    address could not be registered again."""
 
     def __init__(self, shape, device: torch.device) -> None:
         from expertd import cudamem
@@ -347,4 +361,8 @@ class LaneBlock:
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._pinned = cudamem.PinnedHost(self.addr, len(self._map), device, mapped=True)
         self.device_ptr = self._pinned.device_ptr
+        self.flags_ptr = self.device_ptr + shape.flags_offset  # the graph's last kernel's
+        # the host side as a CPU tensor (registered: a copy from it is a DMA), its mirror
+        self.host = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.mirror = torch.zeros(shape.flags_offset, dtype=torch.uint8, device=device)
         _LANE_BLOCKS.append(self)

@@ -59,7 +59,7 @@ class _Plan:
         self.c = GraphCallPlan(
             header=addr,
             ids_host=addr + shape.ids_offset,
-            weights_host=addr + shape.weights_offset,
+            weights_host=addr + shape.weights_offset(bucket),
             flags_host=addr + shape.flags_offset,
             rows=bucket,
             top_k=shape.top_k,

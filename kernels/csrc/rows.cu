@@ -5,17 +5,20 @@
 // output holds a NaN or an Inf; one launch where the same check in torch ops is nine
 // (isfinite, all and the ands of three tensors).
 //
-// A lane call's graph (server/graphs.py, GraphBank) is three steps on one stream:
-//   expertd_call_in    the call's routes from its page-locked block into the graph's
-//                      route buffers, and its m rows of x from the caller's device memory
-//                      into the graph's x buffer;
-//   the forward        as any graph of the bucket captures it;
-//   expertd_call_out   the m rows of the output into the caller's device memory, and each
-//                      row's NaN/Inf flag into the block.
+// A lane call's graph (server/graphs.py, GraphBank) is four steps on one stream:
+//   a copy           the block's header and the bucket's routes, from the page-locked host
+//                    block into its device mirror (one DMA);
+//   expertd_call_in  the routes from the mirror into the graph's route buffers, and the
+//                    call's m rows of x from the caller's device memory into the graph's x;
+//   the forward      as any graph of the bucket captures it;
+//   expertd_call_out the m rows of the output into the caller's device memory, and each
+//                    row's NaN/Inf flag into the host block.
 // The block is host memory mapped into the GPU's address space (cudaHostRegisterMapped):
 // the host writes the call's header and routes there, launches the graph and reads the
 // flags there once the graph is done, so a call is one launch and no copy of its own. Its
 // header says where this call's x comes from and where its rows go, and how many rows.
+// The kernels read the header and routes from the device mirror, not from the host block:
+// loads from host memory are PCIe round trips, one DMA of the same bytes is not.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -66,33 +69,31 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One block per row of the graph: its routes (every row: the host padded the rows past m as
-// "no route"), and for r < m its x row. Host memory is read with __ldcv: fetched again,
-// never a line cached by an earlier call.
+// "no route"), and for r < m its x row. The header and routes come from the device mirror.
 __global__ void __launch_bounds__(kThreads)
     call_in_kernel(const expertd_call_header* __restrict__ hdr, const int* __restrict__ ids_src,
                    const float* __restrict__ w_src, int* __restrict__ ids, float* __restrict__ w,
                    uint4* __restrict__ x, int k, int h) {
   const long long r = blockIdx.x;
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
-    ids[r * k + j] = __ldcv(ids_src + r * k + j);
-    w[r * k + j] = __ldcv(w_src + r * k + j);
+    ids[r * k + j] = ids_src[r * k + j];
+    w[r * k + j] = w_src[r * k + j];
   }
-  const int m = __ldcv(&hdr->m);
-  if (r >= m) return;
-  const uint4* src = reinterpret_cast<const uint4*>(__ldcv(&hdr->x_src)) + r * (h / 8);
+  if (r >= hdr->m) return;
+  const uint4* src = reinterpret_cast<const uint4*>(hdr->x_src) + r * (h / 8);
   uint4* dst = x + r * (h / 8);
   for (int c = threadIdx.x; c < h / 8; c += blockDim.x) dst[c] = __ldcg(src + c);
 }
 
 // One block per row r < m: the row out to the caller, and its flag (its x, weights or
-// output non-finite) into the block.
+// output non-finite) into the host block (a store the GPU posts and does not wait for).
 __global__ void __launch_bounds__(kThreads)
     call_out_kernel(const expertd_call_header* __restrict__ hdr, const uint4* __restrict__ x,
                     const float* __restrict__ w, const uint4* __restrict__ out,
                     uint8_t* __restrict__ flags, int k, int h) {
   const long long r = blockIdx.x;
-  if (r >= __ldcv(&hdr->m)) return;
-  uint4* dst = reinterpret_cast<uint4*>(__ldcv(&hdr->out_dst)) + r * (h / 8);
+  if (r >= hdr->m) return;
+  uint4* dst = reinterpret_cast<uint4*>(hdr->out_dst) + r * (h / 8);
   const uint4* src = out + r * (h / 8);
   const uint4* xr = x + r * (h / 8);
   bool b = false;
@@ -131,27 +132,27 @@ int expertd_nonfinite_rows(const void* x, const float* w, const void* out, uint8
 }
 
 // A lane call's first step for a graph of `rows` tokens x top_k `k` over hidden size h (a
-// multiple of 8; every address 16-byte aligned): see the file's head. `block` is the device
-// address of the mapped block, `capacity` the rows its routes have room for.
-int expertd_call_in(const void* block, int capacity, int* ids, float* w, void* x, int rows,
-                    int k, int h, void* stream) {
-  if (rows <= 0 || rows > capacity || h % 8) return (int)cudaErrorInvalidValue;
-  const auto* hdr = static_cast<const expertd_call_header*>(block);
+// multiple of 8; every address 16-byte aligned): see the file's head. `mirror` is the
+// device copy of the block's header and the bucket's routes (call_block.h).
+int expertd_call_in(const void* mirror, int* ids, float* w, void* x, int rows, int k, int h,
+                    void* stream) {
+  if (rows <= 0 || k <= 0 || h % 8) return (int)cudaErrorInvalidValue;
+  const auto* hdr = static_cast<const expertd_call_header*>(mirror);
   const int* ids_src = reinterpret_cast<const int*>(hdr + 1);
-  const float* w_src = reinterpret_cast<const float*>(ids_src + (long long)capacity * k);
+  const float* w_src = reinterpret_cast<const float*>(ids_src + (long long)rows * k);
   call_in_kernel<<<rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       hdr, ids_src, w_src, ids, w, static_cast<uint4*>(x), k, h);
   return launched();
 }
 
-// A lane call's last step (see the file's head); x, w and out are the graph's buffers.
-int expertd_call_out(void* block, int capacity, const void* x, const float* w, const void* out,
-                     int rows, int k, int h, void* stream) {
-  if (rows <= 0 || rows > capacity || h % 8) return (int)cudaErrorInvalidValue;
-  auto* hdr = static_cast<expertd_call_header*>(block);
-  uint8_t* flags = reinterpret_cast<uint8_t*>(hdr + 1) + 8ll * capacity * k;
+// A lane call's last step (see the file's head): the header from the mirror, the flags to
+// `flags` (the host block's, at its device address); x, w and out are the graph's buffers.
+int expertd_call_out(const void* mirror, uint8_t* flags, const void* x, const float* w,
+                     const void* out, int rows, int k, int h, void* stream) {
+  if (rows <= 0 || k <= 0 || h % 8) return (int)cudaErrorInvalidValue;
   call_out_kernel<<<rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      hdr, static_cast<const uint4*>(x), w, static_cast<const uint4*>(out), flags, k, h);
+      static_cast<const expertd_call_header*>(mirror), static_cast<const uint4*>(x), w,
+      static_cast<const uint4*>(out), flags, k, h);
   return launched();
 }
 

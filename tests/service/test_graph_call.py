@@ -85,7 +85,7 @@ class FakeDevice:
             if self.fail_at == "graph":
                 return 700
             rows, k = self.rows[graph], self.shape.top_k
-            ids, w, flags = self.views()
+            ids, w, flags = self.views(rows)
             self.read = (ids[: rows * k].view(rows, k).clone(), w[: rows * k].view(rows, k).clone())
             hdr = self.header()
             n = hdr.m * 2 * H
@@ -110,11 +110,14 @@ class FakeDevice:
     def header(self) -> Header:
         return Header.from_address(self.block.ctypes.data)
 
-    def views(self):
+    def views(self, rows: int):
+        """A graph of `rows` tokens' ids and weights in the block (what it copies in),
+        and the flags."""
         b, s = torch.from_numpy(self.block), self.shape
-        n = s.capacity * s.top_k
+        n = rows * s.top_k
+        assert s.call_bytes(rows) == s.weights_offset(rows) + 4 * n
         ids = b[s.ids_offset : s.ids_offset + 4 * n].view(torch.int32)
-        w = b[s.weights_offset : s.weights_offset + 4 * n].view(torch.float32)
+        w = b[s.weights_offset(rows) : s.weights_offset(rows) + 4 * n].view(torch.float32)
         return ids, w, b[s.flags_offset : s.flags_offset + s.capacity]
 
     def plan(self, rows: int) -> GraphCallPlan:
@@ -124,7 +127,7 @@ class FakeDevice:
         return GraphCallPlan(
             header=addr,
             ids_host=addr + self.shape.ids_offset,
-            weights_host=addr + self.shape.weights_offset,
+            weights_host=addr + self.shape.weights_offset(rows),
             flags_host=addr + self.shape.flags_offset,
             rows=rows,
             top_k=self.shape.top_k,
