@@ -22,11 +22,11 @@ below 64 rows (<= 0.5 MiB at H = 4096).
 
 Lane graphs (for the pipeline slot `lane_slot`, given a backend with the row kernels
 of kernels/csrc/rows.cu) serve one call at a time from a data-plane slot's own thread
-(server/lane.py): each reads its call from a block of mapped host memory
+(server/lane.py): each copies its call from a block of mapped host memory
 (kernels/csrc/call_block.h: where the call's x lies in device memory, where its rows
-go, how many, and its routes), copies x and the routes in with its first kernel, runs
-the forward, and copies the rows out and writes their NaN/Inf flags into the block
-with its last. A call is then one launch, whatever slot of whatever client it came
+go, how many, and its routes) into device memory in one DMA, copies x and the routes
+in with its first kernel, runs the forward, and copies the rows out and writes their
+NaN/Inf flags into the block with its last. A call is then one launch, whatever slot of whatever client it came
 from.
 
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
@@ -360,8 +360,8 @@ class LaneBlock:
         self._map = mmap.mmap(-1, -(-shape.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._pinned = cudamem.PinnedHost(self.addr, len(self._map), device, mapped=True)
-        self.device_ptr = self._pinned.device_ptr
-        self.flags_ptr = self.device_ptr + shape.flags_offset  # the graph's last kernel's
+        # where the graph's last kernel writes the flags
+        self.flags_ptr = self._pinned.device_ptr + shape.flags_offset
         # the host side as a CPU tensor (registered: a copy from it is a DMA), its mirror
         self.host = torch.frombuffer(self._map, dtype=torch.uint8)
         self.mirror = torch.zeros(shape.flags_offset, dtype=torch.uint8, device=device)

@@ -12,10 +12,10 @@ lock) that
 1. copies the call's ids and weights from the slot into the lane block
    (mapped host memory), padded to the bucket with "no route", checks the copy (ids in
    [-1, E)) and writes the call's header there: m, where x lies, where the rows go;
-2. launches the bucket's lane graph on the runner's compute stream (x and the routes in,
-   the forward, the rows out into the slot's device out region and their NaN/Inf flags
-   into the block), queues the client's stream bell (an on-stream call, a captured one
-   included) and an event, and waits for the event;
+2. launches the bucket's lane graph on the runner's compute stream (the block copied to
+   the GPU, x and the routes in, the forward, the rows out into the slot's device out
+   region and their NaN/Inf flags into the block), queues the client's stream bell (an
+   on-stream call, a captured one included) and an event, and waits for the event;
 
 and then answers: status, timing and resp_seq into the slot, as the batcher's finisher
 does.
