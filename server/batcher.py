@@ -23,7 +23,9 @@ compute thread -> loop: ~240 us on the H200 host, benchmarks/rpc_floor.py);
 requests that arrive meanwhile wait in gRPC's queue and form the next batch.
 A CPU shard does the same while its small batches have recently taken at most
 INLINE_CPU_MAX_S each (its compute is one batch at a time anyway; other calls wait
-at most that long to be read).
+at most that long to be read). A gRPC request that finds the batcher idle this way
+is run in its own handler (`run_now`), without the queue and the batcher's task in
+between.
 """
 
 from __future__ import annotations
@@ -163,19 +165,35 @@ class Batcher:
         to the compute thread (two thread wake-ups), and a call arriving meanwhile
         finds the gate taken and is queued, where it batches with others as usual.
         The job's sink takes the answer; an error is raised to the caller."""
+        return self._alone(job, wait=True) is not None
+
+    def run_now(self, job: Job) -> bytes | None:
+        """On the event loop, for a request read there (gRPC): run `job` in its handler
+        now when the batcher's own loop would run it on this thread as a batch of one
+        (idle, small: `_here`), without that loop's task in between (a queue hand-off
+        and two task switches). -> its response bytes; None (nothing done): queue it.
+        An error is raised to the caller."""
+        if self.policy.window_s > 0 or not self._here(job.tokens):
+            return None  # a window waits for company; a large or slow batch is threaded
+        return self._alone(job, wait=False)
+
+    def _alone(self, job: Job, wait: bool):
+        """Run `job` as a batch of one on this thread if the batcher is idle -> its
+        result (SENT when its sink took it); None, nothing done, if not idle. `wait`:
+        wait a moment for a gate held by another lone call (never on the event loop)."""
         if self._queue or self.computing:
-            return False
+            return None
         # Another direct call holding the gate is most likely answering already (a
         # caller's stream rings the next call the moment the last one's rows are in its
         # slot, before this host has answered it): waiting a moment for it costs less
         # than the event loop's two hand-offs.
         if not self._gate.acquire(blocking=False) and (
-            not self._running_direct or not self._gate.acquire(timeout=DIRECT_WAIT_S)
+            not wait or not self._running_direct or not self._gate.acquire(timeout=DIRECT_WAIT_S)
         ):
-            return False
+            return None
         try:
             if self._queue or self.computing or self.runner.free_slots < 1:
-                return False
+                return None
             if job.deadline is not None and time.monotonic() >= job.deadline:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
             started = time.perf_counter_ns()
@@ -186,7 +204,7 @@ class Batcher:
             self._gate.release()
         if isinstance(result, Exception):
             raise result
-        return True
+        return result
 
     def take_lone(self) -> int | None:
         """For a call run outside the batcher on its own thread (server/lane.py): the

@@ -150,8 +150,17 @@ def test_pipelined_batches_are_bit_identical_to_one_at_a_time(served):
     config = dataclasses.replace(server.config, max_batch_requests=1, listen="127.0.0.1:0")
     with BackgroundServer(config, bank=server.bank) as solo:
         batcher, ran_here = solo._running.servicer.batcher, []
-        run_here = batcher._run_here  # small lone batches run on the event loop
+        # small lone batches run on the event loop: in their handler, or by the batcher
+        run_here, run_now = batcher._run_here, batcher.run_now
         batcher._run_here = lambda jobs: (ran_here.append(len(jobs)), run_here(jobs))
+
+        def counted_now(job):
+            reply = run_now(job)
+            if reply is not None:
+                ran_here.append(1)
+            return reply
+
+        batcher.run_now = counted_now
         cases = mixed_cases(name, preset, experts, n=48)
         sequential = send_one_by_one(solo.address, cases)
         assert ran_here, "no small request ran on the event loop"

@@ -28,7 +28,7 @@ from expertd.server.graphs import ALIGN, Layout
 from expertd.server.metrics import Metrics
 from expertd.server.runner import LANE_SLOT, BatchRunner
 from expertd.server.staging import HostStaging, Result, SlotPool
-from expertd.server.validate import Limits, parse_forward
+from expertd.server.validate import Limits, RequestError, parse_forward
 from expertd.v1 import expertd_pb2 as pb
 
 H = PRESET.hidden_size
@@ -527,3 +527,58 @@ def test_a_lone_call_takes_the_gate_and_a_slot_only_from_an_idle_batcher(bank0):
 
     asyncio.run(go())
     assert runner.free_slots == 2
+
+
+def test_an_idle_batcher_answers_a_small_request_in_its_handler(bank0, full_layers, monkeypatch):
+    """Batcher.run_now (a gRPC request read on the event loop): where the batcher's own
+    loop would run the request as a batch of one on this thread (idle, small, short
+    CPU batches lately), it is answered in place with the reference's answer; with a
+    request queued, a batch window, a request past INLINE_TOKENS or slow batches
+    lately it does nothing (None: the caller queues it); a passed deadline is raised."""
+    runner = BatchRunner(bank0, depth=1)
+    limits = Limits(max_tokens=1024, max_top_k=64)
+
+    async def go():
+        compute = ThreadPoolExecutor(1, thread_name_prefix="test-compute")
+        batcher = Batcher(runner, compute, Metrics(), BatchPolicy())
+        loop = asyncio.get_running_loop()
+
+        def job(m: int, seed: int, deadline=None, queued=False):
+            req, inputs = forward_request(m, 8, seed)
+            args = parse_forward(req, bank0.info, limits, bank0.has_layer)
+            future = loop.create_future() if queued else None
+            return Job(args, deadline, time.perf_counter_ns(), future, req.request_id), inputs
+
+        first, _ = job(1, 0)
+        assert batcher.run_now(first) is None  # no history of short CPU batches yet
+        batcher._small.add(1e-3)
+        results = []
+        for seed, m in enumerate([1, 5, INLINE_TOKENS]):
+            j, inputs = job(m, seed)
+            reply = batcher.run_now(j)
+            assert reply is not None
+            results.append((j, inputs, reply))
+        assert batcher.run_now(job(INLINE_TOKENS + 1, 7)[0]) is None
+        with pytest.raises(RequestError, match="deadline passed"):
+            batcher.run_now(job(1, 8, deadline=time.monotonic() - 1)[0])
+        waiting, _ = job(2, 9, queued=True)
+        batcher.submit(waiting)  # queued (the loop not started): not idle
+        assert batcher.run_now(job(1, 10)[0]) is None
+        batcher.start()
+        await waiting.future
+        assert batcher.run_now(job(1, 11)[0]) is not None  # idle again
+        windowed = Batcher(runner, compute, Metrics(), BatchPolicy(window_s=1e-3))
+        windowed._small.add(1e-3)
+        assert windowed.run_now(job(1, 12)[0]) is None
+        monkeypatch.setattr(batcher_module, "INLINE_CPU_MAX_S", 1e-9)
+        assert batcher.run_now(job(1, 13)[0]) is None  # its small batches were slower
+        await batcher.stop()
+        compute.shutdown()
+        return results
+
+    for j, (x, ids, w), reply in asyncio.run(go()):
+        assert parse_forward_response(reply).request_id == j.request_id
+        out = wire.decode(parse_forward_response(reply).output, "output")
+        ref = reference_forward(full_layers[j.args.layer], x, ids, w.float())
+        assert relative_error(out, ref) <= 1e-2
+    assert runner.free_slots == 1
