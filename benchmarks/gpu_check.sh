@@ -22,6 +22,8 @@
 #   EXAMPLE       1: also run examples/remote_experts_hf.py --device cuda --local-baseline
 #                 (needs transformers: HF=1 bash scripts/gpu_carry.sh) under an MPS daemon
 #   EXPERTD_KERNEL_LIB  a prebuilt libexpertd_kernels.so (skips the build)
+#   PACK          1: at the end, everything under $OUT packed into $OUT/gpu-check.tgz alone
+#                 (for a runner that brings back only a few files)
 # What the machine lacks may travel in .whl/ beside the tree (scripts/gpu_carry.sh makes
 # it): wheels (.whl/*.whl, .whl/hf/*.whl) are installed into /tmp/site first, package
 # trees (.whl/*.txz, e.g. NIXL slimmed to fit what travels with a call) unpacked there.
@@ -113,4 +115,7 @@ if [ "${EXAMPLE:-0}" = 1 ]; then
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 echo "== tests rc=$tests_rc benchmark rc=$rc example rc=$ex_rc"
+if [ "${PACK:-0}" = 1 ]; then
+  tar -czf /tmp/gpu-check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu-check.tgz "$OUT/"
+fi
 exit $((tests_rc || rc || ex_rc))
