@@ -132,7 +132,20 @@ def tcp_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> 
     return times
 
 
-def _grpc_echo_server(port_q, reply_size: int, far: Far | None) -> None:
+def _hold(seconds: float) -> None:
+    """Keep this thread (an echo server's event loop) busy for `seconds`, as a shard's
+    forward does: asleep, the interpreter's lock let go, then on time to the microsecond."""
+    end = time.perf_counter() + seconds
+    if seconds > HOLD_SPIN_S:
+        time.sleep(seconds - HOLD_SPIN_S)
+    while time.perf_counter() < end:
+        pass
+
+
+HOLD_SPIN_S = 200e-6  # _hold's last stretch: a sleep overshoots by tens of microseconds
+
+
+def _grpc_echo_server(port_q, reply_size: int, far: Far | None, hold_s: float = 0.0) -> None:
     if far is not None:
         enter(far.name)
 
@@ -141,6 +154,8 @@ def _grpc_echo_server(port_q, reply_size: int, far: Far | None) -> None:
 
         async def echo(requests, context):
             async for _ in requests:
+                if hold_s:
+                    _hold(hold_s)
                 yield reply
 
         server = grpc.aio.server(options=OPTIONS)
@@ -157,12 +172,17 @@ def _grpc_echo_server(port_q, reply_size: int, far: Far | None) -> None:
     asyncio.run(main())
 
 
-def grpc_echo_us(request: int, reply: int, reps: int, far: Far | None = None) -> list[float]:
-    """Round trips on one grpc.aio bidirectional stream (client and server grpc.aio)."""
-    q = mp.get_context("fork").Queue()
-    proc = mp.get_context("fork").Process(
-        target=_grpc_echo_server, args=(q, reply, far), daemon=True
-    )
+def grpc_echo_us(
+    request: int, reply: int, reps: int, far: Far | None = None, hold_us: float = 0.0
+) -> list[float]:
+    """Round trips on one grpc.aio bidirectional stream (client and server grpc.aio).
+    hold_us: the server's loop busy that long before each answer (a shard's forward
+    on it), taken off each round trip: what the stream costs a call of that length,
+    whose waiting threads fall asleep meanwhile. The server is a fresh process (spawned:
+    a child forked after this process used gRPC may hang in it)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_grpc_echo_server, args=(q, reply, far, hold_us / 1e6), daemon=True)
     proc.start()
     port = q.get(timeout=30)
 
@@ -178,7 +198,7 @@ def grpc_echo_us(request: int, reply: int, reps: int, far: Far | None = None) ->
                 await call.write(payload)
                 await call.read()
                 if i >= 20:
-                    times.append((time.perf_counter() - t0) * 1e6)
+                    times.append((time.perf_counter() - t0) * 1e6 - hold_us)
             await call.done_writing()
             return times
 
@@ -756,6 +776,14 @@ def run(args, far: Far | None) -> int:
         finally:
             stop_shards(procs)
 
+    # gRPC's own cost for a call whose server is busy for the forward's length (the
+    # stream's threads on both sides asleep meanwhile), beside each one-shard grpc row
+    for r in rows:
+        if r["transport"] == "grpc" and r["shards"] == 1:
+            out_b, back_b = request_bytes(preset, r["M"])
+            held = grpc_echo_us(out_b, back_b, args.reps, far, r["busiest_forward_p50_us"])
+            r["grpc_held_echo_p50_us"] = pct(held, 0.5)
+
     result = {
         "date": dt.date.today().isoformat(),
         "kind": args.kind,
@@ -849,6 +877,17 @@ def print_table(result: dict) -> None:
             + (f"{queued:8.0f}" if queued is not None else f"{'-':>8}")
             + (f" {spaced:8.0f}" if (spaced := r.get("spaced_e2e_p50_us")) else f" {'-':>8}")
         )
+    held = [r for r in result["rows"] if r.get("grpc_held_echo_p50_us") is not None]
+    if held:
+        echo = {f["M"]: f["grpc_stream_echo_p50_us"] for f in result["floors"]}
+        print(
+            "\ngrpc, one shard, against a grpc.aio stream echo: as is, and held (its server "
+            "busy for the\nforward's p50 before each answer, that time taken off), p50 us:\n"
+            f"{'M':>6} {'echo':>8} {'held':>8} {'ovh':>8} {'ovh/echo':>9} {'ovh/held':>9}"
+        )
+        for r in held:
+            e, h, o = echo[r["M"]], r["grpc_held_echo_p50_us"], r["overhead_p50_us"]
+            print(f"{r['M']:>6} {e:8.0f} {h:8.0f} {o:8.0f} {o / e:9.2f} {o / h:9.2f}")
     for key, what in (("stages_mean_us", "a call"), ("spaced_stages_mean_us", "a spaced call")):
         if not any(r.get(key) for r in result["rows"]):
             continue

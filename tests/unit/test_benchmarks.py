@@ -123,3 +123,19 @@ def test_mps_control_pipe_is_found_where_the_driver_looks(tmp_path, monkeypatch)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     expected = "/tmp/nvidia-mps/control"
     assert cudamem.mps_control_pipe() == (expected if os.path.exists(expected) else None)
+
+
+def test_transport_grpc_echo_held_for_a_forward_takes_the_hold_off():
+    """The held echo floor (benchmarks/transport.py): its server keeps its loop busy for
+    hold_us before each answer and the round trips come back with that taken off; the
+    server is a spawned process, so it also runs after this process has used gRPC."""
+    import transport
+
+    plain = transport.grpc_echo_us(100, 200, reps=20)
+    held = transport.grpc_echo_us(100, 200, reps=20, hold_us=3000.0)
+    assert len(plain) == len(held) == 20 and min(plain) > 0
+    assert min(held) > 0  # each round trip lasted at least the hold
+    assert sorted(held)[10] < 3000.0  # and the hold was taken off
+    start = time.perf_counter()
+    transport._hold(0.002)
+    assert 0.002 <= time.perf_counter() - start < 0.02
