@@ -76,7 +76,7 @@ class Job:
     args: ForwardArgs
     deadline: float | None  # time.monotonic() value, or None
     received_ns: int  # time.perf_counter_ns() at arrival
-    future: asyncio.Future
+    future: asyncio.Future | None  # None: answered by its sink, or by run_now
     request_id: int = 0  # echoed in the response
     # Where the answer goes instead of a response message: a shared-memory slot
     # (server/slots.py) that takes the output rows and the timing on the finisher's

@@ -26,8 +26,8 @@ of kernels/csrc/rows.cu) serve one call at a time from a data-plane slot's own t
 (kernels/csrc/call_block.h: where the call's x lies in device memory, where its rows
 go, how many, and its routes) into device memory in one DMA, copies x and the routes
 in with its first kernel, runs the forward, and copies the rows out and writes their
-NaN/Inf flags into the block with its last. A call is then one launch, whatever slot of whatever client it came
-from.
+NaN/Inf flags into the block with its last. A call is then one launch, whatever slot
+of whatever client it came from.
 
 Works with any backend that has `forward_into(state, x, ids, w, out)` and no
 host sync or allocation inside it (the `cuda` backend).

@@ -201,20 +201,18 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.metrics.inflight.set(self._inflight)
         try:
             loop = asyncio.get_running_loop()
-            traceparent = req.traceparent or traceparent
             if _rows(req) <= INLINE_ROWS:  # small: a thread hop costs more than the checks
                 args = parse_forward(req, bank.info, self.limits, bank.has_layer)
-                job = Job(args, deadline, received, None, req.request_id)
-                job.traceparent = traceparent
-                reply = self.batcher.run_now(job)  # an idle batcher: answered right here
-                if reply is not None:
-                    return reply
             else:
                 args = await loop.run_in_executor(
                     self._prep, parse_forward, req, bank.info, self.limits, bank.has_layer
                 )
-            job = Job(args, deadline, received, loop.create_future(), req.request_id)
-            job.traceparent = traceparent
+            job = Job(args, deadline, received, None, req.request_id)
+            job.traceparent = req.traceparent or traceparent
+            reply = self.batcher.run_now(job)  # a small one, the batcher idle: answered here
+            if reply is not None:
+                return reply
+            job.future = loop.create_future()
             self.batcher.submit(job)
             return await job.future  # the serialized ForwardResponse (codec)
         finally:

@@ -3,8 +3,9 @@
 //
 // A lane graph (server/graphs.py) reads a call from a block of mapped host memory
 // (call_block.h): where x comes from, where the rows go, how many, and the routes; it
-// copies them to the GPU in one DMA, its first kernel moves them into place, its last copies the rows out and writes each row's NaN/Inf
-// flag back into the block (kernels/csrc/rows.cu). A call of m tokens is then: the routes
+// copies them to the GPU in one DMA, its first kernel moves them into place, its last
+// copies the rows out and writes each row's NaN/Inf flag back into the block
+// (kernels/csrc/rows.cu). A call of m tokens is then: the routes
 // copied from the caller's memory into the block and checked there (ids in [-1, E): the
 // copy is what the GPU reads, so the source cannot change an id after its check), padded
 // to the graph's rows as "no route"; the header written; the graph launched, an optional
